@@ -1,0 +1,38 @@
+"""Typed exceptions. The library raises these; only the CLI turns them into one-line messages."""
+
+from __future__ import annotations
+
+
+class ShardprepError(Exception):
+    """Base class of every error shardprep raises on purpose.
+
+    The message is one line that names the tensor or file at fault and, where there is one, the fix.
+    """
+
+
+class SourceError(ShardprepError):
+    """The source checkpoint is missing, unreadable or malformed."""
+
+
+class SelectionError(ShardprepError):
+    """Target selection (globs, presets, layers, fused groups) is invalid or matches nothing."""
+
+
+class LayoutError(ShardprepError):
+    """Tensors cannot be laid out as asked (fused members that do not fit together, for example)."""
+
+
+class ManifestError(ShardprepError):
+    """A manifest does not follow the schema or breaks a layout invariant."""
+
+
+class OutputError(ShardprepError):
+    """The output directory cannot be written as asked."""
+
+
+class RequantError(ShardprepError):
+    """Block-FP8 requantization refused a tensor (non-finite values, bad scale shape, ...)."""
+
+
+class RuntimeShardError(ShardprepError):
+    """The runtime cannot load or gather as asked (rank mismatch, collective misalignment, ...)."""

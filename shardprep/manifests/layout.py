@@ -1,0 +1,194 @@
+"""Where every byte goes: pure layout math, no I/O and no torch.
+
+A layer's targets are packed into one flat buffer T. Entries sit at 16-byte aligned offsets in a
+deterministic order; members of a fused group sit back to back so the fused weight is a zero-copy
+view. |T| is padded with zeros to a multiple of 16·N and split into N equal chunks of C = |T|/N
+bytes: rank i holds T[i·C:(i+1)·C], whatever tensors those bytes belong to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import LayoutError
+from .dtypes import tensor_nbytes
+
+ENTRY_ALIGNMENT = 16
+FILE_ALIGNMENT = 4096
+
+
+def align_up(n: int, alignment: int) -> int:
+    """Smallest multiple of `alignment` that is >= n.
+
+    >>> align_up(17, 16)
+    32
+    """
+    return -(-n // alignment) * alignment
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to place: its name, safetensors dtype string and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape, tensor=self.name)
+
+
+@dataclass(frozen=True)
+class FusedGroup:
+    """Tensors that must sit back to back so that `name` can view them as one weight (concatenated on dim 0)."""
+
+    name: str
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor inside a layer's flat buffer T."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FusedView:
+    """A fused weight viewed over adjacent entries of T (for example qkv_proj over q, k, v)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    members: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape, tensor=self.name)
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """The packed layout of one layer: entries, fused views, |T| and the per-rank chunk size C."""
+
+    layer: int
+    entries: tuple[Entry, ...]
+    views: tuple[FusedView, ...]
+    total_bytes: int
+    chunk_bytes: int
+
+
+def plan_layer(
+    layer: int,
+    tensors: Sequence[TensorSpec],
+    world_size: int,
+    groups: Sequence[FusedGroup] = (),
+    entry_alignment: int = ENTRY_ALIGNMENT,
+) -> LayerLayout:
+    """Pack one layer's tensors into a flat buffer split into `world_size` equal chunks.
+
+    Tensors are ordered by name; a fused group takes the place of its first-sorted member and keeps
+    its declared member order, with no gap between members.
+
+    >>> t = [TensorSpec("l.0.b", "BF16", (3, 5)), TensorSpec("l.0.a", "F32", (2,))]
+    >>> lay = plan_layer(0, t, world_size=2)
+    >>> [(e.name, e.offset) for e in lay.entries], lay.total_bytes, lay.chunk_bytes
+    ([('l.0.a', 0), ('l.0.b', 16)], 64, 32)
+    """
+    if world_size < 1:
+        raise LayoutError(f"world size must be >= 1, got {world_size}")
+    if not tensors:
+        raise LayoutError(f"layer {layer} has no tensors to lay out")
+    by_name = {t.name: t for t in tensors}
+    if len(by_name) != len(tensors):
+        raise LayoutError(f"layer {layer} lists a tensor twice")
+
+    group_of: dict[str, FusedGroup] = {}
+    for g in groups:
+        for m in g.members:
+            if m not in by_name:
+                raise LayoutError(f"fused view {g.name!r}: member {m!r} is not a target of layer {layer}")
+            if m in group_of:
+                raise LayoutError(f"tensor {m!r} belongs to two fused views ({group_of[m].name!r}, {g.name!r})")
+            group_of[m] = g
+        _check_fusable(g, [by_name[m] for m in g.members], entry_alignment)
+
+    order: list[str] = []
+    placed_groups: set[str] = set()
+    for name in sorted(by_name):
+        g = group_of.get(name)
+        if g is None:
+            order.append(name)
+        elif g.name not in placed_groups:
+            placed_groups.add(g.name)
+            order.extend(g.members)
+
+    entries: list[Entry] = []
+    offset = 0
+    for name in order:
+        t = by_name[name]
+        offset = align_up(offset, entry_alignment)
+        entries.append(Entry(t.name, t.dtype, tuple(t.shape), offset, t.nbytes))
+        offset += t.nbytes
+
+    at = {e.name: e for e in entries}
+    views = []
+    for g in groups:
+        first = by_name[g.members[0]]
+        rows = sum(by_name[m].shape[0] for m in g.members)
+        views.append(FusedView(g.name, first.dtype, (rows, *first.shape[1:]), at[g.members[0]].offset, g.members))
+
+    total = align_up(max(offset, 1), entry_alignment * world_size)
+    return LayerLayout(layer, tuple(entries), tuple(views), total, total // world_size)
+
+
+def _check_fusable(group: FusedGroup, members: list[TensorSpec], entry_alignment: int) -> None:
+    first = members[0]
+    if len(members) < 2:
+        raise LayoutError(f"fused view {group.name!r} needs at least two members")
+    for m in members:
+        if m.dtype != first.dtype:
+            raise LayoutError(
+                f"fused view {group.name!r}: member {m.name!r} is {m.dtype} but {first.name!r} is {first.dtype}"
+            )
+        if len(m.shape) == 0 or tuple(m.shape[1:]) != tuple(first.shape[1:]):
+            raise LayoutError(
+                f"fused view {group.name!r}: member {m.name!r} has shape {list(m.shape)}, which cannot be "
+                f"concatenated on dim 0 with {first.name!r} of shape {list(first.shape)}"
+            )
+    for m in members[:-1]:
+        if m.nbytes % entry_alignment:
+            raise LayoutError(
+                f"fused view {group.name!r}: member {m.name!r} is {m.nbytes} bytes, not a multiple of "
+                f"{entry_alignment}, so the next member cannot follow it without a gap"
+            )
+
+
+def plan_file_offsets(chunk_bytes: Sequence[int], file_alignment: int = FILE_ALIGNMENT) -> list[int]:
+    """Offsets of consecutive layer chunks inside every rank file, each aligned to `file_alignment`.
+
+    >>> plan_file_offsets([10, 5000, 1])
+    [0, 4096, 12288]
+    """
+    offsets, at = [], 0
+    for c in chunk_bytes:
+        at = align_up(at, file_alignment)
+        offsets.append(at)
+        at += c
+    return offsets
+
+
+def chunk_range(rank: int, chunk_bytes: int) -> tuple[int, int]:
+    """Byte range [start, end) of T that `rank` holds.
+
+    >>> chunk_range(2, 32)
+    (64, 96)
+    """
+    return rank * chunk_bytes, (rank + 1) * chunk_bytes

@@ -1,0 +1,108 @@
+"""The one fixture factory for test checkpoints: tiny random models written by transformers' save_pretrained.
+
+Every checkpoint a test converts comes from here, so the tests read files that something other than
+shardprep wrote. The only thing shardprep-specific that a test may add on top is block-FP8
+quantization (tests/fp8_fixture.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "bert")
+
+
+def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 128):
+    """A small transformers config of the given architecture (odd sizes on purpose: rows not divisible by N)."""
+    import transformers as tf
+
+    if arch == "llama":
+        return tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 24,
+                              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=256, tie_word_embeddings=False)
+    if arch == "qwen3-moe":
+        return tf.Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                 moe_intermediate_size=24, num_hidden_layers=layers, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                 max_position_embeddings=256, decoder_sparse_step=1, mlp_only_layers=[],
+                                 tie_word_embeddings=False)
+    if arch == "deepseek-v3":
+        return tf.DeepseekV3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   moe_intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                   n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1,
+                                   topk_group=1, max_position_embeddings=256, tie_word_embeddings=False)
+    if arch == "bert":
+        return tf.BertConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 8,
+                             num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=128)
+    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+
+
+def make_checkpoint(
+    directory: str | Path,
+    arch: str = "llama",
+    *,
+    layers: int = 3,
+    hidden: int = 64,
+    vocab: int = 128,
+    sharded: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    tokenizer: bool = True,
+) -> Path:
+    """Write a tiny random `arch` model with save_pretrained (single file, or several shards plus an index)."""
+    import transformers as tf
+
+    directory = Path(directory)
+    torch.manual_seed(seed)
+    config = tiny_config(arch, layers=layers, hidden=hidden, vocab=vocab)
+    if arch == "bert":
+        model = tf.BertModel(config)
+    else:
+        model = tf.AutoModelForCausalLM.from_config(config)
+    # Random init leaves some weights at exact constants (norms = 1, biases = 0); perturb everything so a
+    # wrong offset cannot hide behind equal values.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model = model.to(dtype)
+    model.eval()
+    model.save_pretrained(directory, max_shard_size="40KB" if sharded else "10GB")
+    if tokenizer:
+        save_tiny_tokenizer(directory, vocab)
+    return directory
+
+
+def save_tiny_tokenizer(directory: str | Path, vocab: int = 128) -> None:
+    """A byte-level-ish word tokenizer built locally (no hub download), saved in HF format."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "<pad>", "[CLS]", "[SEP]", "[MASK]"]
+    words += [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    words += ["the", "model", "shard", "weights", "gpu", "hello", "world", "fast", "layer", "rank"]
+    words += [f"tok{i}" for i in range(vocab - len(words))]
+    vocab_map = {w: i for i, w in enumerate(words[:vocab])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab_map, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    fast.save_pretrained(directory)
+
+
+def read_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors directory, through the safetensors library (not shardprep)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
+        "model.safetensors"]
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(directory / f))
+    return out
