@@ -1,0 +1,7 @@
+"""Placeholder wired into convert; requantization planning lands with the requant module."""
+
+from __future__ import annotations
+
+
+def plan_requant(ckpt, targets, **options):
+    return None
