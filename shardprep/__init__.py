@@ -37,4 +37,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'shardprep' has no attribute {name!r}")
 
 
-__all__ = ["ShardprepError", "__version__", *_LAZY]
+__all__ = ["ConvertSummary", "ShardprepError", "ValidationReport", "__version__", "convert", "inspect", "validate"]

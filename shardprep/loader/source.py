@@ -100,7 +100,9 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], dict[str,
                 raise SourceError(f"{path}: truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise SourceError(f"{path}: corrupt or truncated safetensors header (claims {n} bytes, file has {size})")
+                raise SourceError(
+                    f"{path}: corrupt or truncated safetensors header (claims {n} bytes, file has {size})"
+                )
             raw = f.read(n)
     except FileNotFoundError:
         raise SourceError(f"{path}: file not found") from None

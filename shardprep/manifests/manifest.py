@@ -166,7 +166,8 @@ class Manifest:
         )
         problems = check_invariants(m)
         if problems:
-            raise ManifestError(f"{where}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if problems[1:] else ""))
+            more = f" (and {len(problems) - 1} more)" if problems[1:] else ""
+            raise ManifestError(f"{where}: {problems[0]}{more}")
         return m
 
 
