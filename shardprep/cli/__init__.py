@@ -1,0 +1,45 @@
+"""The `shardprep` command: a thin typer shell over shardprep's Python API (one module per command)."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+
+from .convert import convert_command
+from .inspect import inspect_command
+from .validate import validate_command
+
+app = typer.Typer(
+    name="shardprep",
+    help="Pre-shard replicated LLM weights into per-rank flat chunks and gather them back layer by layer.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")] = False,
+) -> None:
+    if debug:
+        os.environ["SHARDPREP_DEBUG"] = "1"
+
+
+app.command("convert")(convert_command)
+app.command("validate")(validate_command)
+app.command("inspect")(inspect_command)
+
+try:
+    from .run import run_command
+except ImportError:  # the runner lands separately; the offline commands do not need it
+    run_command = None
+if run_command is not None:
+    app.command("run", context_settings={"allow_extra_args": False})(run_command)
+
+
+def main() -> None:
+    """Console entry point (`shardprep ...` and `python -m shardprep ...`)."""
+    app()
