@@ -1,0 +1,62 @@
+"""A hub repo id resolves through a cache laid out the way huggingface_hub lays it out, fully offline."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def make_hub_cache(cache, repo_id, src, commit="0123456789abcdef0123456789abcdef01234567"):
+    """models--org--name/{blobs/<sha256>, snapshots/<commit>/<file> -> ../../blobs/<sha256>, refs/main}."""
+    repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo_dir / "blobs").mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    snap = repo_dir / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for path in sorted(src.iterdir()):
+        data = path.read_bytes()
+        blob = repo_dir / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snap), snap / path.name)
+    (repo_dir / "refs" / "main").write_text(commit)
+    return commit
+
+
+def run_cli(args, cache):
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HOME": str(cache.parent / "hf-home"), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "shardprep", *map(str, args)], capture_output=True, text=True,
+                          env=env)
+
+
+def test_repo_id_converts_offline_from_cache_and_records_revision(checkpoint_cache, tmp_path):
+    src = checkpoint_cache("llama", sharded=True)
+    cache = tmp_path / "hub"
+    commit = make_hub_cache(cache, "tiny-org/tiny-llama", src)
+    out = tmp_path / "out"
+    proc = run_cli(["convert", "tiny-org/tiny-llama", out, "--ranks", 2, "--preset", "llama", "--json"], cache)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "shard_manifest.json").read_text())
+    assert manifest["source"]["repo_id"] == "tiny-org/tiny-llama"
+    assert manifest["source"]["revision"] == commit
+    assert run_cli(["validate", out, "--source", src], cache).returncode == 0
+    # Files without targets were hard-linked to the cache's blobs, not to the snapshot symlinks.
+    summary = json.loads(proc.stdout)
+    for name in summary["linked_files"]:
+        assert not (out / name).is_symlink() and os.path.samefile(out / name, src / name) is False
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+
+
+@pytest.mark.parametrize("revision", [None, "v9"])
+def test_repo_missing_from_cache_offline_is_a_clear_error(tmp_path, revision):
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    args = ["convert", "tiny-org/absent", tmp_path / "out", "--ranks", 2, "--preset", "llama"]
+    if revision:
+        args += ["--revision", revision]
+    proc = run_cli(args, cache)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: tiny-org/absent: not in the local HF cache"), proc.stderr
+    assert not (tmp_path / "out").exists()

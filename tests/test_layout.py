@@ -1,0 +1,85 @@
+"""Pure layout math: offsets, alignment, padding, chunking, fused groups."""
+
+import pytest
+
+from shardprep.errors import LayoutError
+from shardprep.manifests.layout import (
+    FusedGroup,
+    TensorSpec,
+    align_up,
+    chunk_range,
+    plan_file_offsets,
+    plan_layer,
+)
+
+
+def specs(*items):
+    return [TensorSpec(n, d, s) for n, d, s in items]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_entries_are_aligned_disjoint_and_total_is_padded_to_16n(world_size):
+    tensors = specs(("l.1.c", "BF16", (7, 3)), ("l.1.a", "F32", (5,)), ("l.1.b", "U8", (1,)), ("l.1.d", "F16", (33,)))
+    lay = plan_layer(1, tensors, world_size)
+    assert [e.name for e in lay.entries] == ["l.1.a", "l.1.b", "l.1.c", "l.1.d"]
+    end = 0
+    for e in lay.entries:
+        assert e.offset % 16 == 0
+        assert e.offset >= end
+        end = e.offset + e.nbytes
+    assert lay.total_bytes % (16 * world_size) == 0
+    assert lay.total_bytes >= end and lay.total_bytes - end < 16 * world_size
+    assert lay.chunk_bytes * world_size == lay.total_bytes
+
+
+def test_chunk_boundaries_ignore_tensor_boundaries():
+    # 3 rows of 16 bytes across N = 2: rank 0's chunk ends in the middle of row 1.
+    lay = plan_layer(0, specs(("l.0.w", "U8", (3, 16))), world_size=2)
+    assert lay.total_bytes == 64 and lay.chunk_bytes == 32
+    assert chunk_range(1, lay.chunk_bytes) == (32, 64)
+
+
+def test_fused_members_are_adjacent_in_declared_order_and_view_spans_them():
+    tensors = specs(("p.1.q", "BF16", (8, 4)), ("p.1.k", "BF16", (4, 4)), ("p.1.v", "BF16", (4, 4)),
+                    ("p.1.a", "BF16", (2, 4)), ("p.1.z", "BF16", (2, 4)))
+    group = FusedGroup("p.1.qkv", ("p.1.q", "p.1.k", "p.1.v"))
+    lay = plan_layer(1, tensors, 4, [group])
+    order = [e.name for e in lay.entries]
+    assert order == ["p.1.a", "p.1.q", "p.1.k", "p.1.v", "p.1.z"]
+    at = {e.name: e for e in lay.entries}
+    assert at["p.1.k"].offset == at["p.1.q"].offset + at["p.1.q"].nbytes
+    assert at["p.1.v"].offset == at["p.1.k"].offset + at["p.1.k"].nbytes
+    (view,) = lay.views
+    assert view.offset == at["p.1.q"].offset and view.shape == (16, 4) and view.nbytes == 16 * 4 * 2
+
+
+def test_fused_members_with_different_dtypes_are_refused():
+    tensors = specs(("p.q", "BF16", (8, 4)), ("p.k", "F32", (8, 4)))
+    with pytest.raises(LayoutError, match="'p.k' is F32"):
+        plan_layer(1, tensors, 2, [FusedGroup("p.qk", ("p.q", "p.k"))])
+
+
+def test_fused_members_with_incompatible_shapes_are_refused():
+    tensors = specs(("p.q", "BF16", (8, 4)), ("p.k", "BF16", (8, 5)))
+    with pytest.raises(LayoutError, match="cannot be concatenated"):
+        plan_layer(1, tensors, 2, [FusedGroup("p.qk", ("p.q", "p.k"))])
+
+
+def test_fused_member_that_would_leave_a_gap_is_refused():
+    tensors = specs(("p.q", "U8", (3, 3)), ("p.k", "U8", (3, 3)))
+    with pytest.raises(LayoutError, match="not a multiple of 16"):
+        plan_layer(1, tensors, 2, [FusedGroup("p.qk", ("p.q", "p.k"))])
+
+
+def test_world_size_below_one_is_refused():
+    with pytest.raises(LayoutError, match=">= 1"):
+        plan_layer(1, specs(("a", "U8", (16,))), 0)
+
+
+def test_file_offsets_are_4096_aligned_and_disjoint():
+    sizes = [1, 4096, 4097, 10]
+    offs = plan_file_offsets(sizes)
+    assert all(o % 4096 == 0 for o in offs)
+    for (o0, s0), o1 in zip(zip(offs, sizes), offs[1:]):
+        assert o1 >= o0 + s0
+    assert align_up(0, 16) == 0 and align_up(16, 16) == 16

@@ -1,0 +1,78 @@
+"""The manifest is validated once, when parsed: schema, version, and every layout invariant."""
+
+import copy
+import json
+
+import jsonschema
+import pytest
+
+from shardprep.errors import ManifestError
+from shardprep.manifests import LayerRecord, Manifest, TensorSpec, plan_file_offsets, plan_layer, rank_file_name
+from shardprep.manifests.manifest import manifest_schema
+
+
+def small_manifest(world_size=2) -> dict:
+    layouts = [
+        plan_layer(i, [TensorSpec(f"m.layers.{i}.w", "BF16", (5, 3)), TensorSpec(f"m.layers.{i}.b", "F32", (3,))],
+                   world_size)
+        for i in (1, 2)
+    ]
+    offsets = plan_file_offsets([lay.chunk_bytes for lay in layouts])
+    records = tuple(LayerRecord.from_layout(lay, off, ("0" * 32,) * world_size) for lay, off in zip(layouts, offsets))
+    m = Manifest(world_size, tuple(rank_file_name(r, world_size) for r in range(world_size)), records)
+    return m.to_dict()
+
+
+def test_round_trip_and_schema_file_is_valid_json_schema():
+    data = small_manifest()
+    jsonschema.Draft202012Validator.check_schema(manifest_schema())
+    assert Manifest.from_dict(json.loads(json.dumps(data))).to_dict() == data
+
+
+def mutate(path, value):
+    data = small_manifest()
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    "path,value,message",
+    [
+        (("version",), 2, "version 2 is not supported"),
+        (("format",), "other", "schema violation"),
+        (("entry_alignment",), 8, "schema violation"),
+        (("rank_files", 0), "/etc/passwd", "schema violation"),
+        (("rank_files", 1), "shards/../../x.bin", "schema violation"),
+        (("layers", 0, "entries", 0, "offset"), 8, "not 16-aligned"),
+        (("layers", 0, "entries", 1, "offset"), 0, "overlaps"),
+        (("layers", 0, "entries", 0, "nbytes"), 31, "does not match"),
+        (("layers", 1, "file_offset"), 100, "not 4096-aligned"),
+        (("layers", 0, "chunk_bytes"), 16, "!= total_bytes"),
+        (("layers", 0, "total_bytes"), 40, "multiple of 16"),
+        (("layers", 0, "checksums"), ["0" * 32], "checksums for 2 ranks"),
+        (("world_size",), 3, "rank_files lists 2"),
+        (("layers", 0, "entries", 0, "dtype"), "Q4", "schema violation"),
+    ],
+)
+def test_broken_manifest_is_refused_with_a_named_problem(path, value, message):
+    with pytest.raises(ManifestError, match=message):
+        Manifest.from_dict(mutate(path, value))
+
+
+def test_overlapping_layers_in_file_are_refused():
+    data = small_manifest()
+    data["layers"][1]["file_offset"] = 0
+    with pytest.raises(ManifestError, match="overlaps the previous layer"):
+        Manifest.from_dict(data)
+
+
+def test_fused_view_must_cover_members_contiguously():
+    data = small_manifest()
+    layer = data["layers"][0]
+    names = [e["name"] for e in layer["entries"]]
+    layer["views"] = [{"name": "fused", "dtype": "BF16", "shape": [8, 3], "offset": 0, "members": names}]
+    with pytest.raises(ManifestError, match="fused view 'fused'"):
+        Manifest.from_dict(copy.deepcopy(data))
