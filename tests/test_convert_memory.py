@@ -1,0 +1,47 @@
+"""Peak RSS of convert stays below 2 × (largest layer) + 300 MB, measured on a checkpoint of several hundred MB."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MB = 1 << 20
+
+MAKE = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from checkpoints import make_checkpoint
+make_checkpoint({path!r}, "llama", layers=14, hidden=1024, vocab=24000, sharded=True, tokenizer=False)
+"""
+
+MEASURE = """
+import json, resource, sys
+from shardprep.loader.convert import convert
+s = convert({src!r}, {out!r}, 8, preset={preset!r}, layers="all")
+print(json.dumps({{"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "target_bytes": s.target_bytes}}))
+"""
+
+
+@pytest.mark.slow
+def test_peak_rss_is_bounded_by_the_largest_layer(tmp_path):
+    src = tmp_path / "big"
+    tests = str(Path(__file__).parent)
+    subprocess.run([sys.executable, "-c", MAKE.format(tests=tests, path=str(src))], check=True, capture_output=True)
+    size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    assert size > 300 * MB, f"checkpoint is only {size / MB:.0f} MB"
+    preset = tmp_path / "all-linear.json"
+    preset.write_text(json.dumps({"targets": ["*.layers.*.self_attn.*.weight", "*.layers.*.mlp.*.weight"]}))
+    proc = subprocess.run([sys.executable, "-c", MEASURE.format(src=str(src), out=str(tmp_path / "out"),
+                                                                preset=str(preset))],
+                          check=True, capture_output=True, text=True)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    manifest = json.loads((tmp_path / "out" / "shard_manifest.json").read_text())
+    largest = max(lay["total_bytes"] for lay in manifest["layers"])
+    peak = result["maxrss_kb"] * 1024
+    bound = 2 * largest + 300 * MB
+    print(f"checkpoint {size / MB:.0f} MB, targets {result['target_bytes'] / MB:.0f} MB, largest layer "
+          f"{largest / MB:.1f} MB, peak RSS {peak / MB:.0f} MB, bound {bound / MB:.0f} MB")
+    assert result["target_bytes"] > 200 * MB
+    assert peak < bound
