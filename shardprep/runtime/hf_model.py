@@ -1,0 +1,128 @@
+"""Build a transformers model from a shardprep output directory, with its targets bound to the shards.
+
+transformers does the loading (key renames, expert merges, tied weights, non-persistent buffers such
+as rotary `inv_freq`), so the result is the model `from_pretrained` on the source would give. It is
+handed a state dict of the replicated tensors plus, for every target, a placeholder that owns one
+element: the targets' own storage is never allocated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import RuntimeShardError
+from ..manifests.manifest import MANIFEST_NAME
+from .binding import Binding, bind
+from .views import torch_dtype
+
+if TYPE_CHECKING:
+    from ..loader.rank_shards import RankShards
+    from .gatherer import LayerGatherer
+
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def is_causal_lm(directory: str | Path) -> bool:
+    """True when DIR's config.json names a causal-LM architecture (`...ForCausalLM`, `...LMHeadModel`).
+
+    >>> is_causal_lm("out/")  # doctest: +SKIP
+    True
+    """
+    return any(a.endswith(CAUSAL_LM_SUFFIXES) for a in _read_config(Path(directory)).get("architectures") or ())
+
+
+def build_model(
+    directory: str | Path,
+    device: str | torch.device = "cpu",
+    *,
+    rank: int | None = None,
+    group: Any = None,
+    backend: str = "auto",
+    shards: RankShards | None = None,
+    gatherer: LayerGatherer | None = None,
+) -> Binding:
+    """The transformers model of DIR on `device`, its targets bound to this rank's shards.
+
+    AutoModelForCausalLM for causal LMs, AutoModel otherwise, in the checkpoint's dtype. `rank`
+    defaults to this process's rank in `group` (0 without torch.distributed).
+
+    >>> binding = build_model("out/", f"cuda:{local_rank}")  # doctest: +SKIP
+    >>> binding.model.generate(input_ids, max_new_tokens=8, do_sample=False)  # doctest: +SKIP
+    """
+    directory = Path(directory)
+    config_dict = _read_config(directory)
+    if shards is None:
+        from ..loader.rank_shards import open_rank
+
+        world_size = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            world_size = torch.distributed.get_world_size(group)
+            rank = torch.distributed.get_rank(group) if rank is None else rank
+        shards = open_rank(directory, rank or 0, world_size=world_size, device=device)
+    if gatherer is None:
+        from .gatherer import LayerGatherer
+
+        gatherer = LayerGatherer(shards, group=group, backend=backend)
+
+    # transformers places everything on the CPU unless given a device_map, which needs accelerate; so
+    # the model is loaded on the CPU (the replicated tensors mapped, not copied), bound, and then moved:
+    # bound targets are placeholders already on `device`, which `.to()` leaves as they are.
+    state_dict = dict(shards.load_replicated("cpu"))
+    state_dict.update(_target_placeholders(shards))
+    model = _from_state_dict(directory, config_dict, state_dict)
+    binding = bind(model, shards, gatherer)
+    model.to(device)
+    return binding
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    if not (directory / MANIFEST_NAME).is_file():
+        raise RuntimeShardError(f"{directory}: no {MANIFEST_NAME}; is it an output directory of `shardprep convert`?")
+    path = directory / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RuntimeShardError(f"{path}: not found; copy the source's config.json into {directory}") from None
+    except json.JSONDecodeError as exc:
+        raise RuntimeShardError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def _target_placeholders(shards: RankShards) -> dict[str, torch.Tensor]:
+    """A zero-stride expansion of one element per target: transformers assigns it without copying."""
+    return {e.name: torch.zeros((1,), dtype=torch_dtype(e.dtype, tensor=e.name)).expand(e.shape)
+            for record in shards.manifest.layers for e in record.entries}
+
+
+def _from_state_dict(directory: Path, config_dict: dict[str, Any],
+                     state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    mapping = MODEL_FOR_CAUSAL_LM_MAPPING if is_causal_lm(directory) else MODEL_MAPPING
+    try:
+        model_class = mapping[type(config)]
+    except KeyError:
+        raise RuntimeShardError(
+            f"{directory / 'config.json'}: transformers {transformers.__version__} has no "
+            f"{'causal-LM ' if mapping is MODEL_FOR_CAUSAL_LM_MAPPING else ''}model class for "
+            f"model_type {config_dict.get('model_type')!r}"
+        ) from None
+    model, info = model_class.from_pretrained(
+        None, config=config, state_dict=state_dict, dtype="auto", output_loading_info=True,
+    )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise RuntimeShardError(
+            f"{directory}: the model needs {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if missing[1:] else "")
+            + f" but neither the replicated safetensors nor the manifest have it; was DIR converted from a "
+            f"{model_class.__name__} checkpoint?"
+        )
+    if model.can_generate() and (directory / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
+    model.eval()
+    return model
