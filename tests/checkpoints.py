@@ -106,3 +106,18 @@ def read_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         out.update(load_file(directory / f))
     return out
+
+
+if __name__ == "__main__":
+    # `python tests/checkpoints.py DIR [--arch deepseek-v3]`: the README's example checkpoint.
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write a tiny random HF checkpoint with transformers' save_pretrained.")
+    ap.add_argument("directory")
+    ap.add_argument("--arch", default="deepseek-v3", choices=ARCHS)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--sharded", action="store_true")
+    a = ap.parse_args()
+    path = make_checkpoint(a.directory, a.arch, layers=a.layers, hidden=a.hidden, sharded=a.sharded)
+    print(f"wrote a tiny random {a.arch} checkpoint to {path}")

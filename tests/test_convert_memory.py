@@ -17,10 +17,15 @@ make_checkpoint({path!r}, "llama", layers=14, hidden=1024, vocab=24000, sharded=
 """
 
 MEASURE = """
-import json, resource, sys
+import json, sys
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so it would report the parent's size.
+def vm_hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
 from shardprep.loader.convert import convert
 s = convert({src!r}, {out!r}, 8, preset={preset!r}, layers="all")
-print(json.dumps({{"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "target_bytes": s.target_bytes}}))
+print(json.dumps({{"maxrss_kb": vm_hwm() // 1024, "target_bytes": s.target_bytes}}))
 """
 
 
