@@ -1,0 +1,225 @@
+"""Open one rank's shard file: map it, optionally verify it, copy it into one device buffer.
+
+Only `rank_files[rank]` is opened; the other ranks' files may be absent from this machine. The file
+is memory-mapped (page cache, never anonymous memory) and copied into the device buffer through a
+bounded pinned staging buffer, so the host's anonymous memory stays at `staging_bytes` whatever the
+size of the model. On a CPU device the buffer itself is the "device" memory and no staging is used.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import xxhash
+
+from ..errors import RuntimeShardError
+from ..manifests.manifest import MANIFEST_NAME, Manifest, load_manifest
+
+Allocate = Callable[[int], torch.Tensor]
+"""allocate(nbytes) → a 1-D uint8 device tensor of that size (for example, registered or shareable memory)."""
+
+
+class RankShards:
+    """One rank's chunks of every layer, in one flat uint8 buffer laid out like the rank file.
+
+    Layer ℓ's chunk is `buffer[file_offset : file_offset + chunk_bytes]`, the same offsets on every rank.
+    Made by `open_rank`; the gatherer reads `chunk(ℓ)`.
+
+    >>> shards = open_rank("out/", rank=0, device="cuda:0")  # doctest: +SKIP
+    >>> shards.chunk(1).numel() == shards.manifest.layer(1).chunk_bytes  # doctest: +SKIP
+    True
+    """
+
+    def __init__(self, manifest: Manifest, rank: int, buffer: torch.Tensor, directory: str | Path | None = None):
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != manifest.rank_file_bytes:
+            raise RuntimeShardError(
+                f"a rank buffer must be a 1-D uint8 tensor of {manifest.rank_file_bytes} bytes, "
+                f"got {buffer.dtype} of shape {list(buffer.shape)}"
+            )
+        self.manifest = manifest
+        self.rank = rank
+        self.world_size = manifest.world_size
+        self.buffer = buffer
+        self.directory = Path(directory) if directory is not None else None
+        self._records = {r.layer: r for r in manifest.layers}
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the device buffer: Σ chunk_bytes plus the 4 KiB alignment gaps between layers."""
+        return self.buffer.numel()
+
+    def chunk(self, layer: int) -> torch.Tensor:
+        """This rank's chunk of `layer` (a view of the buffer, no copy).
+
+        >>> shards.chunk(1)  # doctest: +SKIP
+        tensor([...], device='cuda:0', dtype=torch.uint8)
+        """
+        try:
+            r = self._records[layer]
+        except KeyError:
+            raise RuntimeShardError(f"layer {layer} is not in the manifest (it has {sorted(self._records)})") from None
+        return self.buffer[r.file_offset:r.file_offset + r.chunk_bytes]
+
+    def rehome(self, allocate: Allocate) -> None:
+        """Move the buffer into memory from `allocate` (a backend's registered or shareable memory).
+
+        Costs one device copy and, until it returns, twice the buffer's memory; pass `allocate=` to
+        `open_rank` instead to load straight into such memory.
+
+        >>> shards.rehome(backend.allocate_local)  # doctest: +SKIP
+        """
+        moved = allocate(self.nbytes)
+        moved.copy_(self.buffer)
+        self.buffer = moved
+
+    def load_replicated(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Every non-target tensor, read from the output directory's safetensors files onto `device`.
+
+        >>> rest = shards.load_replicated("cuda:0")  # doctest: +SKIP
+        >>> rest["model.embed_tokens.weight"].shape  # doctest: +SKIP
+        torch.Size([128256, 8192])
+        """
+        from safetensors.torch import load_file
+
+        if self.directory is None:
+            raise RuntimeShardError("these shards were not opened from a directory; use open_rank(DIR, rank)")
+        index = self.directory / self.manifest.replicated_index
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except FileNotFoundError:
+            raise RuntimeShardError(f"{index}: not found; copy the whole output of `shardprep convert`") from None
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise RuntimeShardError(f"{index}: not a safetensors index ({exc}); re-run convert") from None
+        out: dict[str, torch.Tensor] = {}
+        for name in sorted(set(weight_map.values())):
+            path = self.directory / name
+            if not path.is_file():
+                raise RuntimeShardError(f"{path}: listed in {index.name} but missing; copy the whole output dir")
+            out.update(load_file(path, device=str(torch.device(device))))
+        return out
+
+
+def open_rank(
+    path: str | Path,
+    rank: int,
+    world_size: int | None = None,
+    device: str | torch.device = "cpu",
+    verify: bool = False,
+    staging_bytes: int = 64 << 20,
+    allocate: Allocate | None = None,
+) -> RankShards:
+    """Load `rank`'s shard file from an output directory of `shardprep convert` into one device buffer.
+
+    `world_size` (when given) must match the manifest's. `verify=True` checks this rank's xxh3-128
+    checksum of every chunk before copying. `allocate(nbytes)` supplies the device buffer (default:
+    `torch.empty` on `device`), for backends that need registered or shareable memory.
+
+    >>> shards = open_rank("out/", rank=dist.get_rank(), world_size=dist.get_world_size(),
+    ...                    device=f"cuda:{torch.cuda.current_device()}")  # doctest: +SKIP
+    >>> shards.nbytes  # doctest: +SKIP
+    1073741824
+    """
+    directory = Path(path)
+    manifest = load_manifest(directory)
+    where = directory / MANIFEST_NAME
+    n = manifest.world_size
+    if world_size is not None and world_size != n:
+        raise RuntimeShardError(
+            f"{where}: converted for world size {n}, but this job runs with world size {world_size}; "
+            f"re-run `shardprep convert --ranks {world_size}` or launch {n} ranks"
+        )
+    if not 0 <= rank < n:
+        raise RuntimeShardError(f"{where}: rank {rank} is out of range for world size {n} (ranks 0..{n - 1})")
+    file = directory / manifest.rank_files[rank]
+    size = manifest.rank_file_bytes
+    try:
+        with open(file, "rb") as f:
+            actual = f.seek(0, 2)
+            if actual < size:
+                raise RuntimeShardError(f"{file}: {actual} bytes, but the manifest needs {size}; the file is truncated")
+            # ACCESS_COPY gives a writable (copy-on-write) map so torch.frombuffer needs no copy and no
+            # warning; nothing writes to it, so its pages stay file-backed page cache.
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    except FileNotFoundError:
+        raise RuntimeShardError(f"{file}: rank {rank}'s shard file is missing; copy it next to {where.name}") from None
+    try:
+        if verify:
+            _verify(manifest, rank, mapped, file)
+        device = torch.device(device)
+        buffer = allocate(size) if allocate is not None else torch.empty(size, dtype=torch.uint8, device=device)
+        if buffer.device.type == "cpu":
+            staging = None
+        else:
+            staging = torch.empty(max(2, min(staging_bytes, size)) // 2 * 2, dtype=torch.uint8, pin_memory=True)
+        copy_through_staging(buffer, mapped, staging)
+    finally:
+        mapped.close()
+    return RankShards(manifest, rank, buffer, directory)
+
+
+def copy_through_staging(dst: torch.Tensor, src: mmap.mmap | bytes | memoryview, staging: torch.Tensor | None) -> None:
+    """Copy `src` (host bytes, typically a file map) into the uint8 tensor `dst`.
+
+    Without `staging` the copy is direct. With it, bytes go through the two halves of `staging` in
+    turn: while one half's host→device copy runs, the next piece is read into the other half, and
+    a half is refilled only after its previous copy finished. Host memory used: `staging` alone.
+
+    >>> dst = torch.empty(10, dtype=torch.uint8)
+    >>> copy_through_staging(dst, bytes(range(10)), torch.empty(4, dtype=torch.uint8))
+    >>> dst.tolist()
+    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    """
+    total = dst.numel()
+    view = memoryview(src)
+    try:
+        if staging is None:
+            if total:
+                host = torch.frombuffer(view, dtype=torch.uint8, count=total)
+                dst.copy_(host)
+                del host
+            return
+        half = staging.numel() // 2
+        halves = (staging[:half], staging[half:2 * half])
+        on_device = dst.device.type == "cuda"
+        stream = torch.cuda.current_stream(dst.device) if on_device else None
+        copied = [torch.cuda.Event() if on_device else None for _ in halves]
+        for i, start in enumerate(range(0, total, half)):
+            k = min(half, total - start)
+            h = i % 2
+            if copied[h] is not None:
+                # The half is about to be overwritten: its previous host→device copy must have finished.
+                copied[h].synchronize()
+            piece = torch.frombuffer(view[start:start + k], dtype=torch.uint8)
+            halves[h][:k].copy_(piece)
+            del piece
+            dst[start:start + k].copy_(halves[h][:k], non_blocking=on_device)
+            if copied[h] is not None:
+                copied[h].record(stream)
+        if stream is not None:
+            stream.synchronize()
+    finally:
+        view.release()
+
+
+def _verify(manifest: Manifest, rank: int, mapped: mmap.mmap, file: Path) -> None:
+    view = memoryview(mapped)
+    try:
+        for r in manifest.layers:
+            if not r.checksums:
+                raise RuntimeShardError(f"{file}: layer {r.layer} has no checksums in the manifest; cannot verify")
+            got = xxhash.xxh3_128_hexdigest(view[r.file_offset:r.file_offset + r.chunk_bytes])
+            if got != r.checksums[rank]:
+                raise RuntimeShardError(
+                    f"{file}: layer {r.layer}'s chunk (bytes {r.file_offset}..{r.file_offset + r.chunk_bytes}) "
+                    f"has checksum {got}, the manifest says {r.checksums[rank]}; the file is corrupt, copy it again"
+                )
+    finally:
+        view.release()
