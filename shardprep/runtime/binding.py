@@ -73,11 +73,7 @@ class Binding:
 
         >>> binding.idle_step()  # doctest: +SKIP
         """
-        if self._begun:
-            raise RuntimeShardError(
-                f"idle_step() during a forward (layer {self.layers[self._position].index} is next); "
-                "call it between forwards"
-            )
+        self._position, self._begun = 0, False  # like begin(), it abandons a forward that stopped midway
         self.gatherer.idle_step()
 
     def remove(self) -> None:
@@ -94,10 +90,12 @@ class Binding:
     def _on_model_forward(self, module: nn.Module, args: Any) -> None:
         # Issuing the first gather here, not in the first layer's hook, lets it overlap the embedding
         # and the replicated layers in front of the first bound one.
-        if not self._begun:
-            if self._position != 0:
-                raise RuntimeShardError(self._stopped_midway())
-            self._begin()
+        if self._begun and self._position == 0:
+            return
+        # A forward that stopped midway (an exception inside a layer) is abandoned: the gatherer lets
+        # the gathers already issued complete and starts again at the first layer, as every rank must.
+        self._position = 0
+        self._begin()
 
     def _enter(self, layer: BoundLayer, module: nn.Module, args: Any) -> None:
         if layer.position != self._position:
@@ -122,10 +120,6 @@ class Binding:
         expected = self.layers[self._position].index
         return (f"layer {layer.index} ran while layer {expected} was expected next; bound layers must run once "
                 "per forward, in manifest order, because every rank gathers them in that order")
-
-    def _stopped_midway(self) -> str:
-        return (f"a new forward started while the previous one stopped before layer "
-                f"{self.layers[self._position].index}; the ranks' gathers are no longer aligned, restart them")
 
 
 def bind(

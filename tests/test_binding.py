@@ -1,0 +1,147 @@
+"""Module binding in one process (a gloo world of one rank): which parameter each view replaces, and when.
+
+Several ranks, idle steps and the memory formula are covered end to end by test_run.py.
+"""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from checkpoints import read_state_dict
+from torch import nn
+
+from shardprep.errors import RuntimeShardError
+from shardprep.loader.convert import convert
+from shardprep.loader.rank_shards import open_rank
+from shardprep.runtime.binding import bind
+from shardprep.runtime.gatherer import LayerGatherer
+from shardprep.runtime.hf_model import build_model
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def llama_dir(checkpoint_cache, tmp_path_factory):
+    src = checkpoint_cache("llama")
+    out = tmp_path_factory.mktemp("bind") / "llama-n1"
+    convert(src, out, 1, preset="llama")
+    return src, out
+
+
+def reference(src):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+
+
+def test_bound_model_matches_transformers_and_owns_no_target_bytes(world_of_one, llama_dir):
+    src, out = llama_dir
+    binding = build_model(out, "cpu")
+    model = binding.model
+    targets = binding.target_parameters
+    assert sorted(targets) == sorted(e.name for r in binding.shards.manifest.layers for e in r.entries)
+    # Between forwards a target is a placeholder: one shared NaN element, no storage of its own.
+    assert all(p.untyped_storage().nbytes() <= 2 and p.stride() == (0, 0) for p in targets.values())
+
+    inside = {}
+
+    def record(module, args):
+        q = module.self_attn.q_proj.weight
+        inside[module] = (q.data_ptr(), q.clone())
+
+    handles = [model.model.layers[i].register_forward_pre_hook(record) for i in (1, 2)]
+    ids = torch.tensor([[1, 5, 7, 9, 33, 40]])
+    with torch.no_grad():
+        got = model(ids).logits
+        want = reference(src)(ids).logits
+    for h in handles:
+        h.remove()
+    assert torch.equal(got, want)
+
+    # Inside its layer's forward, q_proj is a view of a gather slot holding the source's bytes.
+    original = read_state_dict(src)
+    placeholder = targets["model.layers.1.self_attn.q_proj.weight"].data_ptr()
+    for i in (1, 2):
+        ptr, value = inside[model.model.layers[i]]
+        assert ptr != placeholder
+        assert torch.equal(value, original[f"model.layers.{i}.self_attn.q_proj.weight"])
+    assert binding.forward_count == 1
+
+
+def test_fused_view_binds_to_a_fused_parameter(world_of_one, llama_dir):
+    src, out = llama_dir
+    shards = open_rank(out, 0, device="cpu")
+    original = read_state_dict(src)
+
+    class Attention(nn.Module):  # the vLLM / SGLang shape: one qkv_proj instead of q, k, v
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj = nn.Linear(64, 128, bias=False, dtype=torch.bfloat16)
+            self.o_proj = nn.Linear(64, 64, bias=False, dtype=torch.bfloat16)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = Attention()
+
+        def forward(self, seen):
+            seen.append(self.self_attn.qkv_proj.weight.clone())
+            return seen
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+        def forward(self, seen):
+            for layer in self.layers:
+                layer(seen)
+            return seen
+
+    model = Model()
+    binding = bind(model, shards, LayerGatherer(shards))
+    assert sorted(binding.target_parameters) == [f"model.layers.{i}.self_attn.{n}.weight"
+                                                 for i in (1, 2) for n in ("o_proj", "qkv_proj")]
+    seen = model([])
+    for i in (1, 2):
+        fused = torch.cat([original[f"model.layers.{i}.self_attn.{n}_proj.weight"] for n in "qkv"])
+        assert torch.equal(seen[i], fused)
+    assert torch.equal(seen[0], model.layers[0].self_attn.qkv_proj.weight)  # layer 0 is not a target
+    assert model.layers[1].self_attn.qkv_proj.weight.isnan().all()  # back to a placeholder
+
+
+def test_layers_run_out_of_order_are_refused(world_of_one, llama_dir):
+    _, out = llama_dir
+    model = build_model(out, "cpu").model
+    hidden = torch.zeros(1, 3, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeShardError, match="layer 2 ran while layer 1 was expected"):
+        model.model.layers[2](hidden)  # the check runs in the pre-hook, before the layer's own forward
+
+
+def test_bind_names_the_tensor_it_cannot_place(world_of_one, llama_dir):
+    src, out = llama_dir
+    shards = open_rank(out, 0, device="cpu")
+    gatherer = LayerGatherer(shards)
+    with pytest.raises(RuntimeShardError, match=r"model.layers.1.self_attn.(qkv|q)_proj.weight.* torch.float32"):
+        bind(reference(src).float(), shards, gatherer)
+    model = reference(src)
+    del model.model.layers[1].self_attn.o_proj
+    with pytest.raises(RuntimeShardError, match="'model.layers.1.self_attn.o_proj.weight' has no parameter"):
+        bind(model, shards, gatherer)
+    model = reference(src)
+    model.model.layers[0].self_attn.o_proj.weight = model.model.layers[1].self_attn.o_proj.weight
+    with pytest.raises(RuntimeShardError, match="tied to 'model.layers.0.self_attn.o_proj.weight'"):
+        bind(model, shards, gatherer)

@@ -1,0 +1,124 @@
+"""`shardprep run` end to end: N gloo ranks on the CPU give exactly what transformers gives on the source.
+
+Each run starts N processes that import torch and transformers, so there are few cases: llama with
+more prompts than ranks (rank 1 idles), Qwen3-MoE from a sharded checkpoint on 4 ranks (ranks 1-3
+only idle), and BERT with every layer sharded.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from checkpoints import read_state_dict
+from typer.testing import CliRunner
+
+from shardprep.cli import app
+from shardprep.loader.convert import convert
+from shardprep.manifests import account, load_manifest
+
+K = 6
+
+
+def shardprep_run(out, nproc, *args):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "shardprep", "run", str(out), "--nproc", str(nproc), "--json",
+                           "--device", "cpu", *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def transformers_outputs(src, prompts, causal):
+    """(generated token ids, prompt output) per prompt, from transformers on the source checkpoint."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(src)
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    model = auto.from_pretrained(src).eval()
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            enc = tokenizer(prompt, return_tensors="pt")
+            if causal:
+                enc = {k: enc[k] for k in ("input_ids", "attention_mask")}
+                generated = model.generate(**enc, max_new_tokens=K, do_sample=False)
+                results.append((generated[0, enc["input_ids"].shape[1]:].tolist(), model(**enc).logits))
+            else:
+                results.append(([], model(**enc).last_hidden_state))
+    return results
+
+
+def check_memory(summary, out):
+    """Per rank: R/N (+ 4 KiB alignment per layer) + 2·max|T| + the non-target bytes, and nothing else."""
+    manifest = load_manifest(out)
+    acc = account(manifest, non_target_bytes=sum(t.nbytes for t in read_state_dict(out).values()))
+    for m in summary["memory"]:
+        assert acc.non_target_bytes <= m["parameter_bytes"] <= acc.non_target_bytes + 16  # + one NaN placeholder
+        assert acc.local_chunk_bytes <= m["shard_bytes"] <= acc.local_chunk_bytes + 4096 * len(manifest.layers)
+        assert m["slot_bytes"] == 2 * manifest.max_total_bytes
+        total = m["parameter_bytes"] + m["shard_bytes"] + m["slot_bytes"]
+        formula = acc.local_chunk_bytes + 2 * acc.max_layer_bytes + acc.non_target_bytes
+        assert formula <= total <= formula + 16 + 4096 * len(manifest.layers)
+
+
+@pytest.mark.parametrize(
+    "arch,sharded,nproc,convert_kw,prompts",
+    [
+        ("llama", False, 2, {"preset": "llama"}, ["hello world", "the model", "shard the weights"]),
+        ("qwen3-moe", True, 4, {"preset": "qwen3-moe"}, ["gpu rank layer"]),
+        ("bert", False, 2, {"targets": ["*.attention.self.*.weight", "*.intermediate.dense.weight"],
+                            "layers": "all"}, ["hello fast world", "the layer"]),
+    ],
+    ids=["llama-n2-idle-rank", "qwen3-moe-sharded-n4", "bert-all-layers-n2"],
+)
+def test_run_matches_transformers_bit_for_bit(checkpoint_cache, tmp_path, arch, sharded, nproc, convert_kw,
+                                              prompts):
+    src = checkpoint_cache(arch, sharded=sharded)
+    out = tmp_path / "out"
+    convert(src, out, nproc, **convert_kw)
+    saved = tmp_path / "outputs.pt"
+    prompt_args = [a for p in prompts for a in ("--prompt", p)]
+    summary = shardprep_run(out, nproc, "--max-new-tokens", K, "--save-outputs", saved, *prompt_args)
+
+    causal = arch != "bert"
+    want = transformers_outputs(src, prompts, causal)
+    got = summary["prompts"]
+    assert [r["rank"] for r in got] == [i % nproc for i in range(len(prompts))]
+    outputs = torch.load(saved)
+    outputs = outputs if isinstance(outputs, list) else [outputs]
+    for r, output, (tokens, reference) in zip(got, outputs, want):
+        if causal:
+            assert r["token_ids"] == tokens and len(tokens) == K
+        assert output.dtype == reference.dtype and torch.equal(output, reference), r["prompt"]
+    check_memory(summary, out)
+
+
+@pytest.fixture(scope="module")
+def llama_n2(checkpoint_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run-errors") / "llama-n2"
+    convert(checkpoint_cache("llama"), out, 2, preset="llama")
+    return out
+
+
+def run_cli_error(*args):
+    result = CliRunner().invoke(app, ["run", *map(str, args)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.output, result.stderr
+    return lines[0]
+
+
+def test_run_refuses_a_directory_convert_did_not_write(checkpoint_cache):
+    assert "not an output directory of `shardprep convert`" in run_cli_error(checkpoint_cache("llama"))
+
+
+def test_run_refuses_a_rank_count_other_than_the_manifests(llama_n2):
+    assert "converted for 2 ranks but this run has 3" in run_cli_error(llama_n2, "--nproc", 3)
+
+
+def test_run_refuses_a_directory_without_tokenizer(checkpoint_cache, tmp_path):
+    out = tmp_path / "out"
+    convert(checkpoint_cache("llama", tokenizer=False), out, 2, preset="llama")
+    assert "no tokenizer" in run_cli_error(out)
