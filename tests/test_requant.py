@@ -208,7 +208,8 @@ def test_round_trip_error_against_original_bfloat16_is_bounded():
     Per element: each of the two fp8 roundings costs at most half a step, 2^-4 of |x| for fp8 normals or
     2^-10 of the block scale for subnormals; the bf16 rounding in between costs 2^-9 of |x|; and the new
     scale is under twice the old (amax/448). Summed with their products that is under
-    0.135 |x| + 2^-16 amax. The RMS error is far smaller: ~3.5% per fp8 rounding, two of them.
+    0.135 |x| + 2^-16 amax for blocks above the 1e-4 floor. The RMS error is far smaller: about 2.6% for
+    the first fp8 rounding of Gaussian weights and 3.7% after both, so 6% leaves room.
     """
     gen = torch.Generator().manual_seed(9)
     original = (torch.randn(3, 300, 260, generator=gen) * 0.02).to(torch.bfloat16).float()

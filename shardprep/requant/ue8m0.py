@@ -153,11 +153,11 @@ def _quantize_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Ten
     blocks = x.view(blocks_n, block_n, blocks_k, block_k)
     amax = blocks.abs().to(torch.float32).amax(dim=(1, 3)).clamp(min=AMAX_FLOOR)
     # A tensor divisor, not a Python scalar: CUDA turns division by a scalar into multiplication by its
-    # float32 reciprocal, which can differ from CPU's division in the last bit. The exponent would still
-    # agree (tests/test_requant.py checks every float32 of an octave), but the quotient then agrees too.
+    # float32 reciprocal, which can differ from CPU's division in the last bit. The exponent would agree
+    # either way (tests/test_requant.py checks every float32 of an octave); this way nothing rests on it.
     quotient = amax / torch.full_like(amax, FP8_MAX)
     # Bits, not torch.log2: log2 rounds values a few ulps above a power of two down to the exact integer,
-    # and its rounding differs between CPU and CUDA (docs/requant.md, "log2 or exponent bits").
+    # and how it rounds is up to each device's math library (docs/requant.md, "log2 or exponent bits").
     sf = ((ceil_pow2_exponent(quotient) + 127) << 23).view(torch.float32)
     # 1/sf is exact for a power of two, so multiplying by it equals dividing by sf on every device.
     scaled = blocks.to(torch.float32) * sf.reciprocal().view(blocks_n, 1, blocks_k, 1)
