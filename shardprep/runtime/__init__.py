@@ -7,3 +7,4 @@ from .backends import AUTO_ORDER, BACKENDS, make_backend
 from .gatherer import LayerGatherer
 
 __all__ = ["AUTO_ORDER", "BACKENDS", "LayerGatherer", "make_backend"]
+from .binding import bind as bind
