@@ -144,7 +144,10 @@ def convert(
 
     with staged_directory(out) as tmp:
         if requant_plan:
-            requant_plan.start()
+            # Queue requant work in the order the writers below will consume it.
+            order = [e.name for lay in layouts for e in lay.entries]
+            order += [t.name for tensors in replicated.values() if tensors for t in tensors]
+            requant_plan.start(order)
         try:
             records = _write_rank_files(tmp, ckpt, layouts, offsets, ranks, overrides, tracker)
             linked, copied, rep_tensors, rep_bytes = _write_replicated(tmp, ckpt, replicated, copy_mode, tracker)
@@ -273,7 +276,8 @@ def _replicated_files(
     """Per source file: None to link/copy it as is, else the tensors to rewrite it with (possibly none)."""
     result: dict[str, list[OutTensor] | None] = {}
     for name, sf in ckpt.files.items():
-        keep = [t for t in sf.tensors if t not in targets]
+        # A requantized weight before its scale, so the scale comes from the weight's result, not a rerun.
+        keep = sorted((t for t in sf.tensors if t not in targets), key=_weight_before_scale)
         if len(keep) == len(sf.tensors) and not any(t in overrides for t in keep):
             result[name] = None
             continue
@@ -287,6 +291,11 @@ def _replicated_files(
                 out.append(OutTensor(t, st.dtype, st.shape, FileRange(sf.path, st.start, st.nbytes)))
         result[name] = out
     return result
+
+
+def _weight_before_scale(name: str) -> tuple[str, bool]:
+    scale = name.endswith("_scale_inv")
+    return (name[: -len("_scale_inv")] if scale else name, scale)
 
 
 def _write_replicated(

@@ -1,11 +1,237 @@
-"""Placeholder wired into convert; requantization planning lands with the requant module."""
+"""Requantization inside convert: which tensors change, and producing their new bytes in worker processes.
+
+The math lives in `shardprep.requant` (a pure tensor transform); this module reads the FP8 weights and
+scales from the source files, runs the transform (in a process pool when there is enough work), and
+hands convert `TensorOverride`s in the order convert consumes them, with a bounded window in flight.
+"""
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
-def plan_requant(ckpt, targets, **options):
-    return None
+from ..errors import RequantError, ShardprepError
+from .source import SourceCheckpoint, SourceTensor
+
+MODES = ("auto", "ue8m0", "none")
+SCOPES = ("all", "targets")
+SCALE_FORMATS = ("f32", "e8m0")
+# Below this much FP8 weight, process start-up (importing torch) costs more than it saves.
+POOL_MIN_BYTES = 256 << 20
 
 
-def reference_overrides(ckpt, manifest):
-    return {}
+@dataclass(frozen=True)
+class RequantJob:
+    """Everything a worker needs to requantize one weight, picklable."""
+
+    name: str
+    weight: SourceTensor
+    weight_path: str
+    scale: SourceTensor
+    scale_path: str
+    recipe: str
+    allow_nonfinite: bool
+    device: str
+    scale_format: str
+
+
+def run_job(job: RequantJob) -> tuple[Any, Any]:
+    """Read one FP8 weight and its scale from disk, requantize, return (weight, scale) as flat uint8 arrays.
+
+    numpy arrays rather than bytes: they pickle back from a worker and, inline, cost no extra copy.
+    """
+    import torch
+
+    from ..requant import requant_ue8m0, scale_to_e8m0
+    from ..runtime.views import torch_dtype
+
+    def load(t: SourceTensor, path: str) -> torch.Tensor:
+        with open(path, "rb") as f:
+            raw = bytearray(os.pread(f.fileno(), t.nbytes, t.start))
+        return torch.frombuffer(raw, dtype=torch.uint8).view(torch_dtype(t.dtype)).reshape(t.shape)
+
+    weight = load(job.weight, job.weight_path)
+    scale = load(job.scale, job.scale_path)
+    q, s = requant_ue8m0(weight, scale, recipe=job.recipe, allow_nonfinite=job.allow_nonfinite, name=job.name,
+                         device=job.device)
+    if job.scale_format == "e8m0":
+        s = scale_to_e8m0(s, name=job.scale.name)
+    return q.view(torch.uint8).reshape(-1).numpy(), s.contiguous().view(torch.uint8).reshape(-1).numpy()
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one process per core: intra-op threads would only oversubscribe
+
+
+@dataclass
+class RequantPlan:
+    """The tensors convert must replace, how to produce them, and what to record about it."""
+
+    jobs: dict[str, RequantJob]
+    manifest_record: dict[str, Any]
+    config_update: dict[str, Any]
+    workers: int = 1
+    overrides: dict[str, Any] = field(default_factory=dict)
+    _pool: ProcessPoolExecutor | None = None
+    _futures: OrderedDict[str, Future] = field(default_factory=OrderedDict)
+    _pending: list[str] = field(default_factory=list)
+    _scales: dict[str, Any] = field(default_factory=dict)
+
+    def start(self, order: Sequence[str] = ()) -> None:
+        """Start workers and queue jobs in `order` (the order convert will ask for the weights)."""
+        total = sum(j.weight.nbytes for j in self.jobs.values())
+        if self.workers > 1 and total >= POOL_MIN_BYTES:
+            import multiprocessing as mp
+
+            # spawn, not fork: the parent may already run torch's thread pool, which fork does not survive.
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
+                                             initializer=_init_worker)
+        queued = [n for n in order if n in self.jobs]
+        self._pending = queued + [n for n in self.jobs if n not in set(queued)]
+        self._fill()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            for f in self._futures.values():
+                f.cancel()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _fill(self) -> None:
+        # A bounded window: at most 2 results per worker wait in memory.
+        while self._pool is not None and self._pending and len(self._futures) < 2 * self.workers:
+            name = self._pending.pop(0)
+            if name not in self._futures:
+                self._futures[name] = self._pool.submit(run_job, self.jobs[name])
+
+    def _result(self, weight_name: str) -> tuple[Any, Any]:
+        future = self._futures.pop(weight_name, None)
+        if weight_name in self._pending:
+            self._pending.remove(weight_name)
+        try:
+            result = future.result() if future is not None else run_job(self.jobs[weight_name])
+        except ShardprepError:
+            raise
+        except Exception as exc:
+            raise RequantError(f"tensor {weight_name!r}: requantization failed: {exc}") from exc
+        self._fill()
+        return result
+
+    def weight_bytes(self, weight_name: str) -> Any:
+        q, s = self._result(weight_name)
+        self._scales[self.jobs[weight_name].scale.name] = s
+        return q
+
+    def scale_bytes(self, weight_name: str) -> Any:
+        scale_name = self.jobs[weight_name].scale.name
+        if scale_name in self._scales:
+            return self._scales.pop(scale_name)
+        return self._result(weight_name)[1]  # scale written before its weight: compute, keep only the scale
+
+
+def plan_requant(
+    ckpt: SourceCheckpoint,
+    targets: set[str],
+    *,
+    mode: str = "auto",
+    scope: str = "all",
+    recipe: str = "sglang",
+    scale_format: str = "f32",
+    allow_nonfinite: bool = False,
+    device: str = "cpu",
+    workers: int = 0,
+) -> RequantPlan | None:
+    """Decide whether and what to requantize; None when the checkpoint stays as it is.
+
+    >>> plan = plan_requant(open_source("deepseek-fp8/"), targets=set())  # doctest: +SKIP
+    >>> plan.manifest_record  # doctest: +SKIP
+    {'method': 'fp8', 'block': [128, 128], 'recipe': 'sglang', 'scale_format': 'f32', 'scope': 'all'}
+    """
+    from ..requant import RECIPES
+
+    for value, allowed, flag in ((mode, MODES, "--requant"), (scope, SCOPES, "--requant-scope"),
+                                 (recipe, RECIPES, "--requant-recipe"), (scale_format, SCALE_FORMATS,
+                                                                         "--scale-format")):
+        if value not in allowed:
+            raise ShardprepError(f"{flag} {value!r}: expected one of {', '.join(allowed)}")
+    if mode == "none":
+        return None
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ShardprepError(f"--device {device!r}: expected cpu or cuda")
+    from ..requant import detect_block_fp8, scales_are_pow2
+
+    config = ckpt.config or {}
+    info = detect_block_fp8(config, ckpt.tensors)
+    if info is None:
+        if mode == "ue8m0":
+            raise RequantError(f"{ckpt.root}: --requant ue8m0 asked, but config.json declares no block-FP8 "
+                               "quantization_config (quant_method 'fp8' with weight_block_size)")
+        return None
+    if info.scale_fmt == "ue8m0":
+        return None  # the checkpoint says its scales are powers of two already
+    names = [n for n in info.weight_names if scope == "all" or n in targets]
+    jobs = {}
+    for name in names:
+        w, s = ckpt.tensors[name], ckpt.tensors[name + "_scale_inv"]
+        if w.dtype != "F8_E4M3":
+            raise RequantError(f"tensor {name!r} has a weight_scale_inv but dtype {w.dtype}, not F8_E4M3")
+        jobs[name] = RequantJob(name, w, str(ckpt.files[w.file].path), s, str(ckpt.files[s.file].path), recipe,
+                                allow_nonfinite, device, scale_format)
+    if not jobs or _all_pow2(ckpt, jobs, scales_are_pow2):
+        return None
+    quant = dict(config.get("quantization_config") or {})
+    quant["scale_fmt"] = "ue8m0"
+    plan = RequantPlan(
+        jobs=jobs,
+        manifest_record={"method": "fp8", "block": list(info.block), "recipe": recipe,
+                         "scale_format": scale_format, "scope": scope},
+        config_update={"quantization_config": quant},
+        workers=1 if device != "cpu" else (workers or os.cpu_count() or 1),
+    )
+    plan.overrides = _overrides(plan)
+    return plan
+
+
+def _all_pow2(ckpt: SourceCheckpoint, jobs: dict[str, RequantJob], scales_are_pow2) -> bool:
+    """Scales are tiny (1/16384 of their weight), so reading all of them to check is cheap."""
+    import torch
+
+    from ..runtime.views import torch_dtype
+
+    for job in jobs.values():
+        s = job.scale
+        with open(job.scale_path, "rb") as f:
+            raw = bytearray(os.pread(f.fileno(), s.nbytes, s.start))
+        if not scales_are_pow2(torch.frombuffer(raw, dtype=torch.uint8).view(torch_dtype(s.dtype)).reshape(s.shape)):
+            return False
+    return True
+
+
+def _overrides(plan: RequantPlan) -> dict[str, Any]:
+    from .convert import TensorOverride
+
+    out: dict[str, Any] = {}
+    scale_dtype = "F8_E8M0" if plan.manifest_record["scale_format"] == "e8m0" else "F32"
+    for name, job in plan.jobs.items():
+        out[name] = TensorOverride("F8_E4M3", job.weight.shape, lambda n=name: plan.weight_bytes(n))
+        out[job.scale.name] = TensorOverride(scale_dtype, job.scale.shape, lambda n=name: plan.scale_bytes(n))
+    return out
+
+
+def reference_overrides(ckpt: SourceCheckpoint, manifest) -> dict[str, Any]:
+    """What validate --source must expect: the requant recorded in the manifest, recomputed from the source."""
+    q = manifest.quantization
+    if not q:
+        return {}
+    plan = plan_requant(ckpt, set(manifest.target_names()), mode="ue8m0", scope=q.get("scope", "all"),
+                        recipe=q["recipe"], scale_format=q["scale_format"], workers=1)
+    if plan is None:
+        raise RequantError(f"{ckpt.root}: the manifest records a requantization, but the source needs none")
+    plan.start()
+    return plan.overrides

@@ -180,7 +180,7 @@ def _check_against_source(root: Path, m: Manifest, weight_map: dict[str, str], s
                 got = flat[e.offset:e.offset + e.nbytes]
                 report.count("target_tensors_compared")
                 if e.name in overrides:
-                    expected = overrides[e.name].produce()
+                    expected = bytes(overrides[e.name].produce())
                 else:
                     t = ckpt.tensors[e.name]
                     if (t.dtype, tuple(t.shape)) != (e.dtype, tuple(e.shape)):
@@ -215,7 +215,7 @@ def _check_replicated_bytes(root: Path, weight_map: dict[str, str], ckpt, overri
         with open(root / fname, "rb") as f:
             got = os.pread(f.fileno(), e - b, start + b)
         if name in overrides:
-            expected = overrides[name].produce()
+            expected = bytes(overrides[name].produce())
         else:
             t = ckpt.tensors[name]
             with open(ckpt.files[t.file].path, "rb") as f:

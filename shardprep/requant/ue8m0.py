@@ -23,8 +23,8 @@ _EXPONENT_MASK = 0xFF
 # 2^-127: the one e8m0 value that float32 can only hold as a subnormal.
 _E8M0_MIN_BITS = 1 << 22
 # Elements per pass. A pass holds about five float32-sized copies of its rows, so this keeps a pass under
-# ~400 MB whether the tensor is one 7168x18432 matrix or 256 experts.
-_CHUNK_ELEMENTS = 1 << 24
+# ~25 MB whether the tensor is one 7168x18432 matrix or 256 experts (the convert memory bound needs it small).
+_CHUNK_ELEMENTS = 1 << 20
 # Scale dtypes whose every value float32 holds exactly, so converting them first changes no product.
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
 

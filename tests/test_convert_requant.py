@@ -1,0 +1,174 @@
+"""convert on block-FP8 checkpoints: requantized weights and scales equal the reference recipe bit for bit."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import read_state_dict
+from fp8_fixture import quantize_checkpoint_fp8
+from reconstruct import rebuild_layers
+from test_requant import reference_requant
+
+from shardprep.errors import RequantError
+from shardprep.loader.convert import convert
+from shardprep.loader.validate import validate
+
+
+@pytest.fixture(scope="module")
+def fp8_source(tmp_path_factory, checkpoint_cache):
+    # hidden = 160: rows and columns that are not multiples of 128, so every weight has tail blocks.
+    src = checkpoint_cache("deepseek-v3", sharded=True, hidden=160)
+    dst = tmp_path_factory.mktemp("fp8") / "ds-fp8"
+    quantize_checkpoint_fp8(src, dst)
+    return dst
+
+
+def bytes_equal(a, b):
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_requantized_targets_and_replicated_weights_match_the_reference(fp8_source, tmp_path):
+    out = tmp_path / "out"
+    summary = convert(fp8_source, out, 3, preset="deepseek-v3")
+    source = read_state_dict(fp8_source)
+    replicated = read_state_dict(out)
+    rebuilt = rebuild_layers(out)
+    fp8_weights = [n for n in source if n + "_scale_inv" in source]
+    assert summary.requantized_tensors == 2 * len(fp8_weights) > 0
+    for name in fp8_weights:
+        q_ref, s_ref = reference_requant(source[name], source[name + "_scale_inv"], "sglang")
+        got = rebuilt[name] if name in rebuilt else replicated[name]
+        assert got.dtype == torch.float8_e4m3fn and bytes_equal(got, q_ref), name
+        scale = replicated[name + "_scale_inv"]
+        assert scale.dtype == torch.float32 and bytes_equal(scale, s_ref.float()), name
+    assert any(n in rebuilt for n in fp8_weights) and any(n in replicated for n in fp8_weights)
+    for name, t in replicated.items():
+        if not name.endswith("_scale_inv") and name not in fp8_weights:
+            assert bytes_equal(t, source[name]), name
+    manifest = json.loads((out / "shard_manifest.json").read_text())
+    assert manifest["quantization"] == {"method": "fp8", "block": [128, 128], "recipe": "sglang",
+                                        "scale_format": "f32", "scope": "all"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["scale_fmt"] == "ue8m0"
+    report = validate(out, source=fp8_source)
+    assert report.ok, report.problems
+
+
+def test_scope_targets_leaves_replicated_weights_untouched(fp8_source, tmp_path):
+    out = tmp_path / "out"
+    convert(fp8_source, out, 2, preset="deepseek-v3", requant_scope="targets", requant_recipe="fp32")
+    source, replicated = read_state_dict(fp8_source), read_state_dict(out)
+    rebuilt = rebuild_layers(out)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    q_ref, _ = reference_requant(source[name], source[name + "_scale_inv"], "fp32")
+    assert bytes_equal(rebuilt[name], q_ref)
+    dense = "model.layers.0.mlp.gate_proj.weight"
+    assert bytes_equal(replicated[dense], source[dense]) and bytes_equal(replicated[dense + "_scale_inv"],
+                                                                         source[dense + "_scale_inv"])
+    assert validate(out, source=fp8_source).ok
+
+
+def test_requant_none_and_already_ue8m0_sources_are_left_alone(fp8_source, tmp_path):
+    out = tmp_path / "none"
+    summary = convert(fp8_source, out, 2, preset="deepseek-v3", requant="none")
+    assert summary.requantized_tensors == 0 and summary.quantization is None
+    assert validate(out, source=fp8_source).ok
+    # Requantize every FP8 weight into the replicated part (the targets are norms, not FP8).
+    once = tmp_path / "once"
+    first = convert(fp8_source, once, 2, targets=["*.input_layernorm.weight"])
+    assert first.requantized_tensors > 0
+    config = json.loads((once / "config.json").read_text())
+    assert config["quantization_config"]["scale_fmt"] == "ue8m0"
+    # Declared UE8M0: left alone.
+    again = convert(once, tmp_path / "again", 2, targets=["*.post_attention_layernorm.weight"])
+    assert again.requantized_tensors == 0 and again.quantization is None
+    # Not declared, but every scale is a power of two: also left alone.
+    del config["quantization_config"]["scale_fmt"]
+    (once / "config.json").write_text(json.dumps(config))
+    third = convert(once, tmp_path / "third", 2, targets=["*.post_attention_layernorm.weight"])
+    assert third.requantized_tensors == 0
+
+
+def test_e8m0_scale_format_writes_f8_e8m0_powers_of_two(fp8_source, tmp_path):
+    out = tmp_path / "out"
+    convert(fp8_source, out, 2, preset="deepseek-v3", scale_format="e8m0")
+    source, replicated = read_state_dict(fp8_source), read_state_dict(out)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    _, s_ref = reference_requant(source[name], source[name + "_scale_inv"], "sglang")
+    scale = replicated[name + "_scale_inv"]
+    assert scale.dtype == torch.float8_e8m0fnu and torch.equal(scale.float(), s_ref.float())
+    assert validate(out, source=fp8_source).ok
+
+
+def test_ue8m0_requested_on_a_bf16_checkpoint_is_refused(checkpoint_cache, tmp_path):
+    with pytest.raises(RequantError, match="declares no block-FP8"):
+        convert(checkpoint_cache("llama"), tmp_path / "out", 2, preset="llama", requant="ue8m0")
+    assert not (tmp_path / "out").exists()
+
+
+def test_nonfinite_weight_is_refused_naming_it_unless_allowed(fp8_source, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    import shutil
+
+    shutil.copytree(fp8_source, src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name = "model.layers.2.self_attn.o_proj.weight"
+    path = src / index["weight_map"][name + "_scale_inv"]
+    tensors = load_file(path)
+    tensors[name + "_scale_inv"][0, 0] = float("inf")
+    save_file(tensors, path, metadata={"format": "pt"})
+    proc = subprocess.run([sys.executable, "-m", "shardprep", "convert", str(src), str(tmp_path / "out"), "-n", "2",
+                           "--preset", "deepseek-v3"], capture_output=True, text=True)
+    assert proc.returncode == 2 and name in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+    summary = convert(src, tmp_path / "ok", 2, preset="deepseek-v3", allow_nonfinite=True)
+    assert summary.requantized_tensors > 0
+
+
+MEASURE = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from checkpoints import make_checkpoint
+from fp8_fixture import quantize_checkpoint_fp8
+make_checkpoint({bf16!r}, "deepseek-v3", layers=6, hidden=1536, vocab=24000, sharded=True, tokenizer=False)
+quantize_checkpoint_fp8({bf16!r}, {fp8!r})
+import shutil; shutil.rmtree({bf16!r})
+import os
+pid = os.fork()
+if pid == 0:
+    # A fresh child: its VmHWM covers only the conversion (the fixture's tensors are freed but counted above).
+    os.execv(sys.executable, [sys.executable, "-c", {child!r}])
+os.waitpid(pid, 0)
+"""
+
+CHILD = """
+import json
+from shardprep.loader.convert import convert
+s = convert({fp8!r}, {out!r}, 4, preset="deepseek-v3", workers=1)
+hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps({{"hwm": hwm, "requantized": s.requantized_tensors, "bytes": s.target_bytes}}))
+"""
+
+
+@pytest.mark.slow
+def test_requant_convert_memory_stays_bounded(tmp_path):
+    tests = str(Path(__file__).parent)
+    fp8, out = tmp_path / "fp8", tmp_path / "out"
+    child = CHILD.format(fp8=str(fp8), out=str(out))
+    proc = subprocess.run([sys.executable, "-c", MEASURE.format(tests=tests, bf16=str(tmp_path / "bf16"),
+                                                                fp8=str(fp8), child=child)],
+                          capture_output=True, text=True, check=True)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    size = sum(p.stat().st_size for p in fp8.glob("*.safetensors"))
+    manifest = json.loads((out / "shard_manifest.json").read_text())
+    largest = max(lay["total_bytes"] for lay in manifest["layers"])
+    bound = 2 * largest + 300 * (1 << 20)
+    print(f"fp8 checkpoint {size / 2**20:.0f} MiB, largest layer {largest / 2**20:.1f} MiB, "
+          f"peak RSS {result['hwm'] / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB")
+    assert result["requantized"] > 0 and size > 100 * (1 << 20)
+    assert result["hwm"] < bound
