@@ -72,10 +72,12 @@ class PromptResult:
 
 
 @dataclass
-class RankMemory:
-    """Bytes one rank holds: model parameters and buffers, its shard buffer, the gather slots."""
+class RankInfo:
+    """One rank's device, gather backend, and the bytes it holds: parameters, buffers, shards, slots."""
 
     rank: int
+    device: str
+    backend: str
     parameter_bytes: int
     buffer_bytes: int
     shard_bytes: int
@@ -204,9 +206,9 @@ def run_worker(options: RunOptions) -> list[PromptResult] | None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
                             **({"device_id": device} if device.type == "cuda" else {}))
     try:
-        results, memory = _serve(options, device, rank, world_size)
+        results, info = _serve(options, device, rank, world_size)
         gathered: list[Any] = [None] * world_size if rank == 0 else []
-        dist.gather_object((results, memory), gathered if rank == 0 else None, dst=0)
+        dist.gather_object((results, info), gathered if rank == 0 else None, dst=0)
     finally:
         dist.destroy_process_group()
     if rank != 0:
@@ -236,7 +238,7 @@ def _device(requested: str, local_rank: int) -> torch.device:
 
 
 def _serve(options: RunOptions, device: torch.device, rank: int,
-           world_size: int) -> tuple[list[PromptResult], RankMemory]:
+           world_size: int) -> tuple[list[PromptResult], RankInfo]:
     import torch
     import transformers
 
@@ -246,7 +248,7 @@ def _serve(options: RunOptions, device: torch.device, rank: int,
 
     tokenizer = _tokenizer(options.directory)
     binding = build_model(options.directory, device, backend=options.backend)
-    memory = _memory(binding, rank)
+    info = _rank_info(binding, rank)
     causal = is_causal_lm(options.directory)
     # Forwards per prompt are known in advance (generate() makes one per new token), so every rank
     # can tell how many idle steps keep it aligned with the busiest rank without asking the others.
@@ -264,7 +266,7 @@ def _serve(options: RunOptions, device: torch.device, rank: int,
             )
         for _ in range(budget - binding.forward_count):
             binding.idle_step()
-    return results, memory
+    return results, info
 
 
 def _serve_prompt(options: RunOptions, binding: Binding, tokenizer: Any, index: int, rank: int, causal: bool,
@@ -298,9 +300,11 @@ def _tokenizer(directory: Path) -> Any:
         raise RuntimeShardError(f"{directory}: cannot load its tokenizer ({str(exc).splitlines()[0]})") from None
 
 
-def _memory(binding: Binding, rank: int) -> RankMemory:
-    return RankMemory(
+def _rank_info(binding: Binding, rank: int) -> RankInfo:
+    return RankInfo(
         rank=rank,
+        device=str(binding.shards.device),
+        backend=binding.gatherer.backend_name,
         parameter_bytes=_storage_bytes(binding.model.parameters()),
         buffer_bytes=_storage_bytes(binding.model.buffers()),
         shard_bytes=binding.shards.nbytes,
@@ -317,7 +321,7 @@ def _storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
-def _report(options: RunOptions, results: list[PromptResult], memory: list[RankMemory]) -> None:
+def _report(options: RunOptions, results: list[PromptResult], ranks: list[RankInfo]) -> None:
     import torch
 
     if options.save_outputs is not None:
@@ -325,14 +329,20 @@ def _report(options: RunOptions, results: list[PromptResult], memory: list[RankM
         torch.save(outputs[0] if len(outputs) == 1 else outputs, options.save_outputs)
     if options.json:
         doc = {"prompts": [{k: v for k, v in asdict(r).items() if k != "output"} for r in results],
-               "memory": [asdict(m) for m in memory]}
+               "ranks": [asdict(r) for r in ranks]}
         print(json.dumps(doc), flush=True)
         return
+    from .cli._format import human_bytes
+
     for r in results:
         if r.token_ids:
             print(f"{r.prompt} → {r.text}", flush=True)
         else:
             print(f"{r.prompt} → output {r.output_shape}", flush=True)
+    r0 = ranks[0]
+    print(f"[{len(ranks)} ranks on {r0.device.split(':')[0]}, gather backend {r0.backend}; rank 0 holds "
+          f"{human_bytes(r0.shard_bytes)} of shards, {human_bytes(r0.slot_bytes)} of gather slots and "
+          f"{human_bytes(r0.parameter_bytes)} of replicated parameters]", flush=True)
 
 
 def main() -> None:

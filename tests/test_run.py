@@ -54,7 +54,7 @@ def check_memory(summary, out):
     """Per rank: R/N (+ 4 KiB alignment per layer) + 2·max|T| + the non-target bytes, and nothing else."""
     manifest = load_manifest(out)
     acc = account(manifest, non_target_bytes=sum(t.nbytes for t in read_state_dict(out).values()))
-    for m in summary["memory"]:
+    for m in summary["ranks"]:
         assert acc.non_target_bytes <= m["parameter_bytes"] <= acc.non_target_bytes + 16  # + one NaN placeholder
         assert acc.local_chunk_bytes <= m["shard_bytes"] <= acc.local_chunk_bytes + 4096 * len(manifest.layers)
         assert m["slot_bytes"] == 2 * manifest.max_total_bytes
