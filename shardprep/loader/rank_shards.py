@@ -173,7 +173,7 @@ def copy_through_staging(dst: torch.Tensor, src: mmap.mmap | bytes | memoryview,
     a half is refilled only after its previous copy finished. Host memory used: `staging` alone.
 
     >>> dst = torch.empty(10, dtype=torch.uint8)
-    >>> copy_through_staging(dst, bytes(range(10)), torch.empty(4, dtype=torch.uint8))
+    >>> copy_through_staging(dst, bytearray(range(10)), torch.empty(4, dtype=torch.uint8))
     >>> dst.tolist()
     [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     """
