@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import xxhash
 
 from ..errors import RuntimeShardError
 from ..manifests.manifest import MANIFEST_NAME, Manifest, load_manifest
@@ -210,6 +209,8 @@ def copy_through_staging(dst: torch.Tensor, src: mmap.mmap | bytes | memoryview,
 
 
 def _verify(manifest: Manifest, rank: int, mapped: mmap.mmap, file: Path) -> None:
+    import xxhash  # only verification needs it; the runtime itself depends on torch alone
+
     view = memoryview(mapped)
     try:
         for r in manifest.layers:
