@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from checkpoints import make_checkpoint  # noqa: E402
+from test_run import transformers_outputs  # noqa: E402
 
 from shardprep.loader.convert import convert  # noqa: E402
 from shardprep.manifests import load_manifest  # noqa: E402
@@ -43,28 +44,6 @@ CASES = [
     ("qwen3-moe", True, {"preset": "qwen3-moe"}),
     ("bert", False, {"targets": ["*.attention.self.*.weight", "*.intermediate.dense.weight"], "layers": "all"}),
 ]
-
-
-def reference(src: Path, causal: bool, device: str) -> list[tuple[list[int], torch.Tensor]]:
-    """transformers on the source: (greedy tokens, prompt output on the CPU) per prompt."""
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(src)
-    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-    model = auto.from_pretrained(src).eval().to(device)
-    results = []
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            enc = tokenizer(prompt, return_tensors="pt")
-            if causal:
-                enc = {k: enc[k] for k in ("input_ids", "attention_mask")}
-            enc = {k: v.to(device) for k, v in enc.items()}
-            if causal:
-                generated = model.generate(**enc, max_new_tokens=K, do_sample=False)
-                results.append((generated[0, enc["input_ids"].shape[1]:].tolist(), model(**enc).logits.cpu()))
-            else:
-                results.append(([], model(**enc).last_hidden_state.cpu()))
-    return results
 
 
 def shardprep_run(out: Path, nproc: int, device: str, backend: str, saved: Path) -> tuple[dict | None, str, float]:
@@ -143,7 +122,7 @@ def main() -> int:
         out = work / "out" / arch
         convert(src, out, args.nproc, overwrite=True, **convert_kw)
         causal = arch != "bert"
-        want = reference(src, causal, "cuda:0" if args.device == "cuda" else "cpu")
+        want = transformers_outputs(src, PROMPTS, causal, K, "cuda:0" if args.device == "cuda" else "cpu")
         print(f"{arch}: {args.nproc} ranks, {len(PROMPTS)} prompts, {K} tokens each, convert {convert_kw}", flush=True)
         for backend in args.backends.split(","):
             name = f"{arch}/{backend}"

@@ -30,23 +30,25 @@ def shardprep_run(out, nproc, *args):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def transformers_outputs(src, prompts, causal):
-    """(generated token ids, prompt output) per prompt, from transformers on the source checkpoint."""
+def transformers_outputs(src, prompts, causal, max_new_tokens=K, device="cpu"):
+    """(generated token ids, prompt output on the CPU) per prompt, from transformers on the source checkpoint."""
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(src)
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-    model = auto.from_pretrained(src).eval()
+    model = auto.from_pretrained(src).eval().to(device)
     results = []
-    with torch.no_grad():
+    with torch.inference_mode():
         for prompt in prompts:
             enc = tokenizer(prompt, return_tensors="pt")
-            if causal:
+            if causal:  # what `shardprep run` passes: causal LMs take no token_type_ids
                 enc = {k: enc[k] for k in ("input_ids", "attention_mask")}
-                generated = model.generate(**enc, max_new_tokens=K, do_sample=False)
-                results.append((generated[0, enc["input_ids"].shape[1]:].tolist(), model(**enc).logits))
+            enc = {k: v.to(device) for k, v in enc.items()}
+            if causal:
+                generated = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+                results.append((generated[0, enc["input_ids"].shape[1]:].tolist(), model(**enc).logits.cpu()))
             else:
-                results.append(([], model(**enc).last_hidden_state))
+                results.append(([], model(**enc).last_hidden_state.cpu()))
     return results
 
 
