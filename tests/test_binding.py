@@ -145,3 +145,23 @@ def test_bind_names_the_tensor_it_cannot_place(world_of_one, llama_dir):
     model.model.layers[0].self_attn.o_proj.weight = model.model.layers[1].self_attn.o_proj.weight
     with pytest.raises(RuntimeShardError, match="tied to 'model.layers.0.self_attn.o_proj.weight'"):
         bind(model, shards, gatherer)
+
+
+def test_a_forward_that_raises_inside_a_layer_is_abandoned(world_of_one, llama_dir):
+    src, out = llama_dir
+    binding = build_model(out, "cpu")
+    model = binding.model
+    attention = model.model.layers[1].self_attn
+
+    def fail(module, args):
+        raise ValueError("boom")
+
+    handle = attention.register_forward_pre_hook(fail)
+    ids = torch.tensor([[1, 5, 7, 9]])
+    with torch.no_grad(), pytest.raises(ValueError, match="boom"):
+        model(ids)
+    handle.remove()
+    assert attention.q_proj.weight.isnan().all()  # the layer's hook put the placeholder back
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(src)(ids).logits)
+    assert binding.forward_count == 2

@@ -58,6 +58,7 @@ class Binding:
         # whether begin() was issued for it. A forward ends when the last bound layer is done.
         self._position = 0
         self._begun = False
+        self._inside: BoundLayer | None = None  # the layer whose views the parameters point at now
         self._handles = [model.register_forward_pre_hook(self._on_model_forward)]
         for layer in layers:
             self._handles.append(layer.module.register_forward_pre_hook(partial(self._enter, layer)))
@@ -105,8 +106,12 @@ class Binding:
         views = self.gatherer.wait(layer.index)
         for param, name in layer.params:
             param.data = views[name]
+        self._inside = layer
 
     def _exit(self, layer: BoundLayer, module: nn.Module, args: Any, output: Any) -> None:
+        if self._inside is not layer:  # _enter raised (always_call runs this hook anyway): nothing to undo
+            return
+        self._inside = None
         # Placeholders go back before done(): after done() the slot may be overwritten by a later gather.
         for (param, _), placeholder in zip(layer.params, layer.placeholders):
             param.data = placeholder
