@@ -19,10 +19,10 @@ def run_command(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-k", min=1,
                                                 help="Tokens to generate greedily (causal LMs).")] = 16,
     device: Annotated[str, typer.Option(help="auto, cpu (gloo) or cuda (NCCL, GPU = local rank).")] = "auto",
-    backend: Annotated[str, typer.Option(help="Gather backend: auto, nccl, ce or gloo.")] = "auto",
+    backend: Annotated[str, typer.Option(help="Gather backend: auto, ce, nccl, nccl-symm or gloo.")] = "auto",
     save_outputs: Annotated[Path | None, typer.Option(help="Rank 0 torch.saves the prompt's output: logits "
                                                       "(causal LMs) or last_hidden_state (encoders).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print tokens, texts and per-rank memory as JSON.")]
+    json_out: Annotated[bool, typer.Option("--json", help="Print token ids, texts and per-rank bytes as JSON.")]
     = False,
 ) -> None:
     """Run prompts on N local ranks from a pre-sharded directory; rank 0 prints the generated text."""
