@@ -81,13 +81,13 @@ class NcclSymmBackend(NcclBackend):
         self._owned.clear()
 
     def allocate_local(self, nbytes: int) -> torch.Tensor:
-        with torch.cuda.use_mem_pool(self._pool):
+        with torch.cuda.use_mem_pool(self._pool, device=self.device):
             t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._owned.add(t.data_ptr())
         return t
 
     def allocate_slot(self, nbytes: int) -> torch.Tensor:
-        with torch.cuda.use_mem_pool(self._pool):
+        with torch.cuda.use_mem_pool(self._pool, device=self.device):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def owns(self, tensor: torch.Tensor) -> bool:
