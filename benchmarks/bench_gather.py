@@ -157,6 +157,28 @@ def layer_compute(x, w_qkv, w_o, mlp, hidden):
     return x + (F.silu(x @ g.t()) * (x @ u.t())) @ d.t()
 
 
+def make_step(args, x, mlp, qkv=None, o=None, g=None):
+    """One forward over all layers on `x`: with the replicated weights, or with `g`'s gathered views."""
+
+    def replicated():
+        y = x
+        for i in range(args.layers):
+            y = layer_compute(y, qkv[i], o[i], mlp[i], args.hidden)
+        return y
+
+    def sharded():
+        y = x
+        g.begin()
+        for i, layer in enumerate(g.layers):
+            w = g.wait(layer)
+            names = layer_names(i)
+            y = layer_compute(y, w[names["qkv"]], w[names["o"]], mlp[i], args.hidden)
+            g.done(layer)
+        return y
+
+    return replicated if g is None else sharded
+
+
 # -- timing -----------------------------------------------------------------------------------------
 def sync(device):
     import torch
@@ -303,18 +325,11 @@ def run_main(rank, args, device, res, cpu_group):
     # Replicated baseline: the weights as a server without sharding holds them.
     mem = Memory(device)
     for tokens in args.token_list:
-        x = torch.randn(tokens, args.hidden, device=device, dtype=torch.bfloat16)
-
-        def step(x=x):
-            y = x
-            for i in range(args.layers):
-                y = layer_compute(y, qkv[i], o[i], mlp[i], args.hidden)
-            return y
-
+        step = make_step(args, torch.randn(tokens, args.hidden, device=device, dtype=torch.bfloat16), mlp, qkv, o)
         ms = attempt(res, f"replicated@{tokens}", lambda step=step: timed_ms(step, device, args.iters, args.warmup,
                                                                               cpu_group), cpu_group)
         res.put("steps", None, {"config": "replicated", "tokens": tokens, "ms": ms})
-        del x
+        del step
     activations = mem.transient()
     res.put("memory", "replicated", {"measured": None if activations is None else activations + mlp_bytes + total,
                                      "formula": None if activations is None else total + mlp_bytes + activations})
@@ -383,7 +398,7 @@ def make_gatherer(manifest, rank, base, device, backend):
     from shardprep.loader.rank_shards import RankShards
     from shardprep.runtime import LayerGatherer, make_backend
 
-    b = make_backend(backend, None, device)
+    b = make_backend(backend, None, device) if isinstance(backend, str) else backend
     buf = b.allocate_local(base.numel())
     buf.copy_(base)
     shards = RankShards(manifest, rank, buf)
@@ -403,38 +418,32 @@ def check_views(g, manifest, qkv, o) -> bool:
     return bool(ok)
 
 
-def run_shardprep(args, rank, device, manifest, base, qkv, o, mlp, backend, res, cpu_group, replicated_ms, other):
+def measure_gatherer(args, device, manifest, qkv, o, mlp, g, name, res, cpu_group, replicated_ms):
+    """Check the views, time the gathers alone (idle_step), then a step per token count."""
     import torch
 
-    g, shards = make_gatherer(manifest, rank, base, device, backend)
-    name = f"shardprep-{g.backend_name}" if backend != "auto" else f"shardprep-auto({g.backend_name})"
-    extra = getattr(g.backend, "symmetric", None)
     exact = check_views(g, manifest, qkv, o)
     res.put("checks", f"{name} views equal the replicated weights", exact)
     if not exact:
         raise RuntimeError(f"{name}: gathered weights differ from the replicated ones")
     ms = timed_ms(g.idle_step, device, args.iters, args.warmup, cpu_group)
     recv = sum(r.total_bytes for r in manifest.layers) * (args.world - 1) / args.world
-    res.put("gather_only", name, {"ms": ms, "recv_GBps": recv / (ms * 1e-3) / GB, "symmetric_windows": extra})
-    mem = Memory(device)
+    res.put("gather_only", name, {"ms": ms, "recv_GBps": recv / (ms * 1e-3) / GB,
+                                  "symmetric_windows": getattr(g.backend, "symmetric", None)})
     for tokens in args.token_list:
-        x = torch.randn(tokens, args.hidden, device=device, dtype=torch.bfloat16)
-
-        def step(x=x):
-            y = x
-            g.begin()
-            for i, layer in enumerate(g.layers):
-                w = g.wait(layer)
-                names = layer_names(i)
-                y = layer_compute(y, w[names["qkv"]], w[names["o"]], mlp[i], args.hidden)
-                g.done(layer)
-            return y
-
+        step = make_step(args, torch.randn(tokens, args.hidden, device=device, dtype=torch.bfloat16), mlp, g=g)
         ms = timed_ms(step, device, args.iters, args.warmup, cpu_group)
         base_ms = replicated_ms.get(tokens)
         res.put("steps", None, {"config": name, "tokens": tokens, "ms": ms,
                                 "exposed_ms": None if base_ms is None else ms - base_ms})
-        del x
+        del step
+
+
+def run_shardprep(args, rank, device, manifest, base, qkv, o, mlp, backend, res, cpu_group, replicated_ms, other):
+    g, shards = make_gatherer(manifest, rank, base, device, backend)
+    name = f"shardprep-{g.backend_name}" if backend != "auto" else f"shardprep-auto({g.backend_name})"
+    mem = Memory(device)
+    measure_gatherer(args, device, manifest, qkv, o, mlp, g, name, res, cpu_group, replicated_ms)
     transient = mem.transient()
     # Alone, this configuration holds its shards, its slots and the MLP, plus what ran meanwhile.
     measured = None if transient is None else transient + shards.nbytes + g.slot_bytes + mlp_bytes_of(mlp)
@@ -519,7 +528,8 @@ def run_graphs(args, rank, device, manifest, base, qkv, o, mlp, res, cpu_group):
     """The replicated and shardprep steps captured once per token count and replayed."""
     import torch
 
-    configs = [("replicated", None)]
+    configs = [("replicated", None)]  # first: the graphs' own baseline for the exposed time
+    graph_ms: dict[int, float] = {}
     for backend in [b for b in args.backend_list if b != "auto"]:
         configs.append((f"shardprep-{backend}", backend))
     for name, backend in configs:
@@ -527,22 +537,7 @@ def run_graphs(args, rank, device, manifest, base, qkv, o, mlp, res, cpu_group):
             g = make_gatherer(manifest, rank, base, device, backend)[0] if backend else None
             for tokens in args.token_list:
                 x = torch.randn(tokens, args.hidden, device=device, dtype=torch.bfloat16)
-
-                def step(x=x):
-                    y = x
-                    if g is not None:
-                        g.begin()
-                    for i in range(args.layers):
-                        if g is None:
-                            y = layer_compute(y, qkv[i], o[i], mlp[i], args.hidden)
-                            continue
-                        layer = g.layers[i]
-                        w = g.wait(layer)
-                        names = layer_names(i)
-                        y = layer_compute(y, w[names["qkv"]], w[names["o"]], mlp[i], args.hidden)
-                        g.done(layer)
-                    return y
-
+                step = make_step(args, x, mlp, qkv, o, g)
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
@@ -553,16 +548,16 @@ def run_graphs(args, rank, device, manifest, base, qkv, o, mlp, res, cpu_group):
                 with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     step()
                 ms = timed_ms(graph.replay, device, args.iters, args.warmup, cpu_group)
-                res.put("steps", None, {"config": f"{name}+graph", "tokens": tokens, "ms": ms})
-                del graph, x
+                if g is None:
+                    graph_ms[tokens] = ms
+                exposed = None if g is None or tokens not in graph_ms else ms - graph_ms[tokens]
+                res.put("steps", None, {"config": f"{name}+graph", "tokens": tokens, "ms": ms, "exposed_ms": exposed})
+                del graph, step, x
         attempt(res, f"{name}+graph", one, cpu_group)
 
 
 def run_cta2(rank, args, device, res, cpu_group):
     """nccl-symm with NCCL_CTA_POLICY=2, alone in fresh processes: if NCCL crashes, only this is lost."""
-    import torch
-
-    from shardprep.runtime import LayerGatherer
     from shardprep.runtime.backends.nccl_symm import NcclSymmBackend
 
     manifest, qkv, o, mlp = build_weights(args, device)
@@ -570,34 +565,10 @@ def run_cta2(rank, args, device, res, cpu_group):
     replicated_ms = {s["tokens"]: s["ms"] for s in res.data["steps"] if s["config"] == "replicated"}
 
     def go():
-        from shardprep.loader.rank_shards import RankShards
-
         b = NcclSymmBackend(None, device, cta_policy=2)
-        buf = b.allocate_local(base.numel())
-        buf.copy_(base)
-        g = LayerGatherer(RankShards(manifest, rank, buf), backend=b)
+        g = make_gatherer(manifest, rank, base, device, b)[0]
         name = f"shardprep-nccl-symm-cta{b.cta_policy}" if b.cta_policy else "shardprep-nccl-symm(cta2 fell back)"
-        if not check_views(g, manifest, qkv, o):
-            raise RuntimeError(f"{name}: gathered weights differ")
-        ms = timed_ms(g.idle_step, device, args.iters, args.warmup, cpu_group)
-        recv = sum(r.total_bytes for r in manifest.layers) * (args.world - 1) / args.world
-        res.put("gather_only", name, {"ms": ms, "recv_GBps": recv / (ms * 1e-3) / GB})
-        for tokens in args.token_list:
-            x = torch.randn(tokens, args.hidden, device=device, dtype=torch.bfloat16)
-
-            def step(x=x):
-                y = x
-                g.begin()
-                for i, layer in enumerate(g.layers):
-                    w = g.wait(layer)
-                    y = layer_compute(y, w[layer_names(i)["qkv"]], w[layer_names(i)["o"]], mlp[i], args.hidden)
-                    g.done(layer)
-                return y
-
-            ms = timed_ms(step, device, args.iters, args.warmup, cpu_group)
-            base_ms = replicated_ms.get(tokens)
-            res.put("steps", None, {"config": name, "tokens": tokens, "ms": ms,
-                                    "exposed_ms": None if base_ms is None else ms - base_ms})
+        measure_gatherer(args, device, manifest, qkv, o, mlp, g, name, res, cpu_group, replicated_ms)
 
     attempt(res, "shardprep-nccl-symm-cta2", go, cpu_group)
 
