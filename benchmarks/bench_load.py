@@ -57,6 +57,9 @@ from shardprep.loader import open_rank
 import jsonschema
 from shardprep.manifests.manifest import manifest_schema
 jsonschema.Draft202012Validator(manifest_schema())
+if {args!r}["device"].startswith("cuda"):  # the CUDA context's own memory is not the phase's
+    torch.zeros(1, device={args!r}["device"])
+    torch.empty(1, pin_memory=True)
 
 def touch(tensors):
     # Read one byte of every page: safetensors maps files lazily, and a load that reads nothing is no load.

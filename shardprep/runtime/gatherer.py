@@ -171,9 +171,10 @@ class LayerGatherer:
         if not 0 <= i < self._next_wait:
             raise RuntimeShardError(f"done({layer}) before wait({layer}) in this forward")
         s = i % self.num_slots
-        if self._cuda:
-            self._done[s].record(torch.cuda.current_stream(self.device))
-        self._slot_done[s] = True
+        if i + self.num_slots >= self._next_issue:  # else the slot was refilled already (done() came late)
+            if self._cuda:
+                self._done[s].record(torch.cuda.current_stream(self.device))
+            self._slot_done[s] = True
         if i == self._n - 1:
             self._in_forward = False
 
