@@ -68,7 +68,10 @@ class PlainMemory:
 
 
 def group_and_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
-    """(group, rank in it, its size), the default group when `group` is None."""
+    """(group, rank in it, its size), the default group when `group` is None.
+
+    >>> group, rank, world_size = group_and_rank(None)  # doctest: +SKIP
+    """
     if not dist.is_initialized():
         raise RuntimeShardError("torch.distributed is not initialized; call dist.init_process_group() first")
     group = group if group is not None else dist.group.WORLD
@@ -76,7 +79,11 @@ def group_and_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, 
 
 
 def all_ranks_agree(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
-    """True when `ok` holds on every rank of `group` (a MIN all-reduce), so ranks never part ways."""
+    """True when `ok` holds on every rank of `group` (a MIN all-reduce), so ranks never part ways.
+
+    >>> all_ranks_agree(built_here, group, torch.device("cpu"))  # doctest: +SKIP
+    False
+    """
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
@@ -127,7 +134,11 @@ def probe(backend: GatherBackend, group: dist.ProcessGroup, nbytes: int = 4096) 
 
 
 def collective_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
-    """Where a small control tensor for `group` must live: CUDA for a NCCL group, else the CPU."""
+    """Where a small control tensor for `group` must live: CUDA for a NCCL group, else the CPU.
+
+    >>> collective_device(nccl_group, torch.device("cuda", 0))  # doctest: +SKIP
+    device(type='cuda', index=0)
+    """
     return device if device.type == "cuda" and "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
 
 
