@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Every GPU check in one call on a 2-GPU machine (the device tool's nvidia-h200-x2), logs under $OUT.
+#   bash benchmarks/gpu_checks.sh checks   # requant CPU==CUDA, GPU runtime tests, shardprep run on cuda
+#   bash benchmarks/gpu_checks.sh bench    # bench_gather.py and bench_load.py
+# Wheels the GPU image lacks (jsonschema and its dependencies) may be carried in .whl/.
+set -u
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 \
+       HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+case "${1:-checks}" in
+checks)
+  { nvidia-smi -L; nvidia-smi topo -m
+    python3 -c "import sys,torch;print(sys.version,torch.__version__,torch.version.cuda,torch.cuda.nccl.version(),torch.cuda.device_count())"
+    python3 -c "import safetensors,xxhash,jsonschema,transformers,tokenizers,typer,rich;print('deps ok', transformers.__version__)"
+    echo "== check_requant_gpu"; timeout 120 python3 benchmarks/check_requant_gpu.py; echo "check_requant_gpu rc=$?"
+  } >"$OUT/checks.log" 2>&1
+  SHARDPREP_TEST_RESULTS_DIR=/tmp/results timeout 260 python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
+    tests/test_gpu_runtime.py tests/test_requant.py >"$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?" >>"$OUT/gpu_tests.log"
+  tar -C /tmp -cf "$OUT/gpu_test_results.tar" results 2>/dev/null
+  timeout 180 python3 benchmarks/check_run_gpu.py --nproc 2 --backends auto,nccl,ce --work /tmp/check_run \
+    >"$OUT/check_run_gpu.log" 2>&1
+  echo "check_run_gpu rc=$?" >>"$OUT/check_run_gpu.log"
+  tail -n 30 "$OUT/checks.log"; tail -n 30 "$OUT/gpu_tests.log"; tail -n 25 "$OUT/check_run_gpu.log"
+  ;;
+bench)
+  timeout 420 python3 benchmarks/bench_gather.py --out "$OUT/bench_gather.json" >"$OUT/bench_gather.log" 2>&1
+  echo "bench_gather rc=$?" >>"$OUT/bench_gather.log"
+  timeout 120 python3 benchmarks/bench_load.py --size-gb 1 --ranks 8 --device cuda:0 --json "$OUT/bench_load_gpu.json" \
+    >"$OUT/bench_load_gpu.log" 2>&1
+  echo "bench_load rc=$?" >>"$OUT/bench_load_gpu.log"
+  tail -n 50 "$OUT/bench_gather.log"; tail -n 15 "$OUT/bench_load_gpu.log"
+  ;;
+esac
