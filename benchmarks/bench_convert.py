@@ -57,7 +57,8 @@ def make_checkpoint(root: Path, size_gb: float, fp8: bool) -> tuple[int, str]:
         "mlp.shared_experts.gate_proj.weight": (1408, hidden),
         "mlp.shared_experts.up_proj.weight": (1408, hidden),
         "mlp.shared_experts.down_proj.weight": (hidden, 1408),
-        "mlp.experts.gate_up_proj": (4, 2 * 1408, hidden),
+        **{f"mlp.experts.{e}.{proj}.weight": (1408, hidden) if proj != "down_proj" else (hidden, 1408)
+           for e in range(4) for proj in ("gate_proj", "up_proj", "down_proj")},
         "mlp.gate_proj.weight": (inter, hidden),
         "mlp.up_proj.weight": (inter, hidden),
         "mlp.down_proj.weight": (hidden, inter),
@@ -84,8 +85,7 @@ def make_checkpoint(root: Path, size_gb: float, fp8: bool) -> tuple[int, str]:
                 *lead, n, k = shape
                 s = torch.rand(*lead, -(-n // 128), -(-k // 128)) * 1e-3 + 1e-4  # non-power-of-two scales
                 shard[name] = (w.float() * 10).clamp(-448, 448).to(torch.float8_e4m3fn)
-                sname = name + "_scale_inv" if name.endswith("weight") else name + ".weight_scale_inv"
-                shard[sname] = s
+                shard[name + "_scale_inv"] = s
             else:
                 shard[name] = w
             shard_bytes += w.numel() * elt
