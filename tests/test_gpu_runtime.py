@@ -192,7 +192,9 @@ def test_device_memory_after_load_is_shards_plus_slots_plus_replicated(gpu_runs)
     for rank in range(2):
         mem = _entry(gpu_runs, rank, "memory")
         expected = mem["shards"] + mem["slots"] + mem["replicated"]
-        assert abs(mem["peak"] - expected) <= 0.01 * expected, mem
+        # 1% plus 1 MiB: on 2×H200 this 80 MB setup peaked 0.93 MiB above the formula (allocator and
+        # communicator bookkeeping that does not grow with the model); bench_gather checks 1% at 16 GB.
+        assert expected - (1 << 20) <= mem["peak"] <= 1.01 * expected + (1 << 20), mem
 
 
 def test_auto_picks_a_backend_that_works(gpu_runs):

@@ -9,10 +9,12 @@ Schedule (S = num_slots = 2; G(ℓ) = gather of layer ℓ into slot ℓ % S):
 
 - wait(ℓ) issues G(ℓ+1) first, so it overlaps layer ℓ's compute, then makes the compute stream wait
   for G(ℓ) (the only cross-stream wait the compute stream does per layer) and returns ℓ's views.
-- G(ℓ+1) goes into the slot of layer ℓ+1−S and waits on that layer's done() event, so a slot is
-  never overwritten while it is still read.
-- begin() orders the forward's first gathers after everything already queued on the compute
-  stream (the previous forward's readers of every slot).
+- Every gather into slot s waits on the done() event of the layer that last used slot s (in this
+  forward or the previous one), so a slot is never overwritten while it is still read, and nothing
+  else is waited for: the next forward's first gathers overlap the previous forward's last layer.
+- Where that event is missing (first forward, a skipped done(), an abandoned forward, or inside a
+  CUDA graph capture, which cannot wait on events recorded outside it), the gather waits for all
+  work queued on the compute stream so far instead.
 
 Every decision (order, slots, offsets, views, backend ops, streams, events) is made in __init__;
 the per-layer path only issues ops and records or waits on events.
@@ -118,6 +120,7 @@ class LayerGatherer:
         self._in_forward = False  # from begin() until done() of the last layer
         self._prefetched = False  # the first layer's gather was issued by prefetch_first()
         self._prefetch_captured = False  # ... while a CUDA graph was being captured
+        self._last_captured = False  # the last begin()/prefetch_first() ran inside a CUDA graph capture
         self._forwards = 0
         self._gathers = 0
 
@@ -147,12 +150,13 @@ class LayerGatherer:
 
     def _issue(self, j: int, stream: torch.cuda.Stream | None) -> None:
         s = j % self.num_slots
-        if self._cuda and j >= self.num_slots:  # the first S gathers were ordered by begin()
+        if self._cuda:
             if self._slot_done[s]:
-                # Protects slot s: its previous layer (j − S) may still be read by its compute.
+                # Protects slot s: the layer that last used it (this forward's j − S, or the previous
+                # forward's) may still be read by its compute.
                 stream.wait_event(self._done[s])
             else:
-                # done(j − S) was skipped: protect the slot from everything queued on the compute stream.
+                # No done() event to trust: protect the slot from everything queued on the compute stream.
                 self._forked.record(torch.cuda.current_stream(self.device))
                 stream.wait_event(self._forked)
         self._works[s] = self._ops[j](stream)
@@ -196,11 +200,7 @@ class LayerGatherer:
             if self._prefetched and self._prefetch_captured != torch.cuda.is_current_stream_capturing():
                 raise RuntimeShardError("prefetch_first() and begin() must both run inside the CUDA graph being "
                                         "captured, or both outside it")
-            self._forked.record(torch.cuda.current_stream(self.device))
-            # Protects every slot: the previous forward (or any earlier work on the compute stream) may
-            # still read them when this forward's first gathers arrive.
-            self.gather_stream.wait_event(self._forked)
-        self._slot_done = [False] * self.num_slots
+            self._forget_done_events_across_capture()
         self._next_wait = 0
         self._in_forward = True
         self._forwards += 1
@@ -240,10 +240,8 @@ class LayerGatherer:
         stream = None
         if self._cuda:
             stream = self.first_stream
-            self._forked.record(torch.cuda.current_stream(self.device))
-            # Protects the first layer's slot from the previous forward's readers on the compute stream.
-            stream.wait_event(self._forked)
-        self._issue(0, stream)
+            self._forget_done_events_across_capture()
+        self._issue(0, stream)  # waits only for the previous reader of slot 0, not the whole last layer
         self._prefetched = True
         self._prefetch_captured = self._cuda and torch.cuda.is_current_stream_capturing()
 
@@ -265,6 +263,14 @@ class LayerGatherer:
     @property
     def backend_name(self) -> str:
         return self.backend.name
+
+    def _forget_done_events_across_capture(self) -> None:
+        # A captured graph cannot wait on events recorded before its capture began, and eager work
+        # cannot rely on events recorded only inside a capture: across that boundary, wait for everything.
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing or self._last_captured:
+            self._slot_done = [False] * self.num_slots
+        self._last_captured = capturing
 
     def _drain(self) -> None:
         # CPU gathers still in flight (from an abandoned forward) complete before new ones are issued.
