@@ -149,7 +149,7 @@ os.waitpid(pid, 0)
 CHILD = """
 import json
 from shardprep.loader.convert import convert
-s = convert({fp8!r}, {out!r}, 4, preset="deepseek-v3", workers=1)
+s = convert({fp8!r}, {out!r}, 4, preset="deepseek-v3")
 hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 print(json.dumps({{"hwm": hwm, "requantized": s.requantized_tensors, "bytes": s.target_bytes}}))
 """

