@@ -1,4 +1,4 @@
-"""LayerGatherer on real multi-process gloo groups (N = 2 and 4), against the source checkpoint.
+"""LayerGatherer on real multi-process gloo groups (N = 2, 4 and 8), against the source checkpoint.
 
 One group per world size runs every scenario in sequence (process start is the cost); each test
 below checks one behaviour from that run. Every rank loads from a directory that holds only its own
@@ -20,7 +20,7 @@ from spawn_group import run_ranks
 from shardprep.errors import RuntimeShardError
 from shardprep.loader.convert import convert
 
-WORLD_SIZES = (2, 4)
+WORLD_SIZES = (2, 4, 8)  # 8: the seed's one-node deployment, for correctness (no 8-GPU machine is lent)
 
 
 def local_only_dir(out: Path, rank: int, dest: Path) -> Path:
