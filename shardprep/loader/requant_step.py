@@ -53,9 +53,15 @@ def run_job(job: RequantJob) -> tuple[Any, Any]:
     from ..runtime.views import torch_dtype
 
     def load(t: SourceTensor, path: str) -> torch.Tensor:
-        with open(path, "rb") as f:
-            raw = bytearray(os.pread(f.fileno(), t.nbytes, t.start))
-        return torch.frombuffer(raw, dtype=torch.uint8).view(torch_dtype(t.dtype)).reshape(t.shape)
+        raw = torch.empty(t.nbytes, dtype=torch.uint8)
+        view, done = memoryview(raw.numpy()), 0
+        with open(path, "rb") as f:  # straight into the tensor: one copy out of the page cache, not three
+            while done < t.nbytes:
+                n = os.preadv(f.fileno(), [view[done:]], t.start + done)
+                if n == 0:
+                    raise RequantError(f"{path}: truncated while reading tensor {t.name!r}")
+                done += n
+        return raw.view(torch_dtype(t.dtype)).reshape(t.shape)
 
     weight = load(job.weight, job.weight_path)
     scale = load(job.scale, job.scale_path)
