@@ -35,7 +35,7 @@ def convert_command(
     allow_nonfinite: Annotated[bool, typer.Option(help="Requantize weights with inf/nan instead of refusing.")]
     = False,
     device: Annotated[str, typer.Option(help="Device for requantization: cpu or cuda.")] = "cpu",
-    workers: Annotated[int, typer.Option(help="Requant worker processes (0 = one per core).")] = 0,
+    workers: Annotated[int, typer.Option(help="Requant worker threads (0 = one per core).")] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary.")] = False,
 ) -> None:
