@@ -15,6 +15,19 @@ else
   export PYTHONPATH=$PWD
 fi
 case "${1:-checks}" in
+final)
+  { echo "== check_requant_gpu"; timeout 120 python3 benchmarks/check_requant_gpu.py; echo "check_requant_gpu rc=$?"
+    echo "== check_convert_cuda"; timeout 120 python3 benchmarks/check_convert_cuda.py; echo "check_convert_cuda rc=$?"
+  } >"$OUT/final_checks.log" 2>&1
+  timeout 150 python3 benchmarks/check_run_gpu.py --nproc 2 --backends ce --work /tmp/check_run \
+    >"$OUT/check_run_ce.log" 2>&1
+  echo "check_run_gpu rc=$?" >>"$OUT/check_run_ce.log"
+  timeout 240 python3 benchmarks/bench_gather.py --no-cta2 --no-fsdp --out "$OUT/bench_gather2.json" \
+    >"$OUT/bench_gather2.log" 2>&1
+  echo "bench_gather rc=$?" >>"$OUT/bench_gather2.log"
+  tail -n 25 "$OUT/final_checks.log"; grep -E "^  ok|MISMATCH|rc=" "$OUT/check_run_ce.log" | tail -n 20
+  tail -n 32 "$OUT/bench_gather2.log"
+  ;;
 retest)
   timeout 200 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_runtime.py >"$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?" >>"$OUT/gpu_tests.log"
