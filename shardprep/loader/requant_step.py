@@ -73,7 +73,7 @@ def run_job(job: RequantJob) -> tuple[Any, Any]:
 
 
 def _pin_glibc_mmap_threshold() -> None:
-    """Keep buffers of 1 MiB and more out of the malloc heap (glibc only; a process-wide setting).
+    """Keep buffers over 1 MiB out of the malloc heap (glibc only; a process-wide setting).
 
     glibc raises its mmap threshold to the size of each large block freed, so after the first weight
     every later one, and every pass buffer, comes from per-thread heaps that fragment: requantizing a
@@ -87,7 +87,9 @@ def _pin_glibc_mmap_threshold() -> None:
     try:
         libc = ctypes.CDLL(name) if name else None
         if libc is not None and hasattr(libc, "mallopt"):
-            libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+            # M_MMAP_THRESHOLD just above the 1 MiB pass buffers: those are reused from the heap,
+            # while every weight-sized buffer is mapped and unmapped.
+            libc.mallopt(-3, (1 << 20) + 4096)
     except OSError:
         pass
 
