@@ -523,5 +523,24 @@ def test_table_lookup_path_equals_the_elementwise_path(monkeypatch, shape, recip
     weight, scale = random_block_fp8(shape, seed=7)
     fast = requant_ue8m0(weight, scale, recipe=recipe)
     monkeypatch.setattr(ue8m0, "_requant_by_table", lambda *args: None)
+    monkeypatch.setattr(ue8m0, "requant_codes", lambda *args: None)
     slow = requant_ue8m0(weight, scale, recipe=recipe)
     assert same_bytes(fast[0], slow[0]) and same_bytes(fast[1], slow[1])
+
+
+def test_numpy_roundings_match_torch_casts_on_every_fp8_midpoint_and_random_values():
+    import numpy as np
+
+    from shardprep.requant.lookup import E4M3_VALUES, encode_e4m3, round_to_bfloat16
+
+    rng = np.random.default_rng(3)
+    finite = np.sort(E4M3_VALUES[np.isfinite(E4M3_VALUES)].astype(np.float64))
+    midpoints = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)  # every tie, both signs
+    x = np.concatenate([rng.uniform(-448, 448, 200_000), rng.uniform(-2**-5, 2**-5, 200_000)]).astype(np.float32)
+    x = np.concatenate([x, midpoints, finite.astype(np.float32), np.array([-0.0], np.float32)])
+    expected = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert np.array_equal(encode_e4m3(x), expected)
+    y = (rng.standard_normal(200_000) * 10.0 ** rng.integers(-30, 30, 200_000)).astype(np.float32)
+    assert np.array_equal(round_to_bfloat16(y), torch.from_numpy(y).bfloat16().float().numpy())
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(E4M3_VALUES, codes, equal_nan=True)

@@ -12,6 +12,7 @@ stream per core scales (2 threads: 2.4x one thread on the 2-core CI machine) wit
 from __future__ import annotations
 
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,53 +46,60 @@ class RequantJob:
 def run_job(job: RequantJob) -> tuple[Any, Any]:
     """Read one FP8 weight and its scale from disk, requantize, return (weight, scale) as flat uint8 arrays.
 
-    numpy arrays rather than bytes: handing them to the writer costs no extra copy.
+    numpy arrays rather than bytes: handing them to the writer costs no extra copy. On the CPU with
+    float32 scales (DeepSeek's) the work is numpy alone (`shardprep.requant.lookup`), so a convert does
+    not import torch; anything else (CUDA, other scale dtypes, non-finite values to report or allow)
+    goes through the torch transform, which gives the same bytes.
     """
+    import numpy as np
+
+    from ..requant.lookup import requant_codes
+
+    w, s = job.weight, job.scale
+    if job.device == "cpu" and w.dtype == "F8_E4M3" and s.dtype == "F32":
+        codes = read_array(w, job.weight_path, np.uint8).reshape(w.shape)
+        scale = read_array(s, job.scale_path, np.float32).reshape(s.shape)
+        fast = requant_codes(codes, scale, job.recipe)
+        if fast is not None:
+            q, sf = fast
+            if job.scale_format == "e8m0":
+                # Every sf is a normal power of two: its e8m0 byte is the float32 exponent field.
+                return q.reshape(-1), ((sf.view(np.uint32) >> 23) & 0xFF).astype(np.uint8).reshape(-1)
+            return q.reshape(-1), sf.view(np.uint8).reshape(-1)
+    return _run_job_torch(job)
+
+
+def read_array(t: SourceTensor, path: str, dtype) -> Any:
+    """A tensor's bytes as a flat numpy array, read straight into it (one copy out of the page cache)."""
+    import numpy as np
+
+    raw = np.empty(t.nbytes, dtype=np.uint8)
+    view, done = memoryview(raw), 0
+    with open(path, "rb") as f:
+        while done < t.nbytes:
+            n = os.preadv(f.fileno(), [view[done:]], t.start + done)
+            if n == 0:
+                raise RequantError(f"{path}: truncated while reading tensor {t.name!r}")
+            done += n
+    return raw.view(dtype)
+
+
+def _run_job_torch(job: RequantJob) -> tuple[Any, Any]:
     import torch
 
     from ..requant import requant_ue8m0, scale_to_e8m0
     from ..runtime.views import torch_dtype
 
     def load(t: SourceTensor, path: str) -> torch.Tensor:
-        raw = torch.empty(t.nbytes, dtype=torch.uint8)
-        view, done = memoryview(raw.numpy()), 0
-        with open(path, "rb") as f:  # straight into the tensor: one copy out of the page cache, not three
-            while done < t.nbytes:
-                n = os.preadv(f.fileno(), [view[done:]], t.start + done)
-                if n == 0:
-                    raise RequantError(f"{path}: truncated while reading tensor {t.name!r}")
-                done += n
-        return raw.view(torch_dtype(t.dtype)).reshape(t.shape)
+        import numpy as np
 
-    weight = load(job.weight, job.weight_path)
-    scale = load(job.scale, job.scale_path)
-    q, s = requant_ue8m0(weight, scale, recipe=job.recipe, allow_nonfinite=job.allow_nonfinite, name=job.name,
-                         device=job.device)
+        return torch.from_numpy(read_array(t, path, np.uint8)).view(torch_dtype(t.dtype)).reshape(t.shape)
+
+    q, s = requant_ue8m0(load(job.weight, job.weight_path), load(job.scale, job.scale_path), recipe=job.recipe,
+                         allow_nonfinite=job.allow_nonfinite, name=job.name, device=job.device)
     if job.scale_format == "e8m0":
         s = scale_to_e8m0(s, name=job.scale.name)
     return q.view(torch.uint8).reshape(-1).numpy(), s.contiguous().view(torch.uint8).reshape(-1).numpy()
-
-
-def _pin_glibc_mmap_threshold() -> None:
-    """Keep buffers over 1 MiB out of the malloc heap (glibc only; a process-wide setting).
-
-    glibc raises its mmap threshold to the size of each large block freed, so after the first weight
-    every later one, and every pass buffer, comes from per-thread heaps that fragment: requantizing a
-    1.2 GB checkpoint on 2 threads peaked at 395 MB instead of 293 MB. A fixed threshold returns each
-    weight's memory to the OS when it is freed, which keeps convert under its 2·max|T| + 300 MB bound.
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "mallopt"):
-            # M_MMAP_THRESHOLD just above the 1 MiB pass buffers: those are reused from the heap,
-            # while every weight-sized buffer is mapped and unmapped.
-            libc.mallopt(-3, (1 << 20) + 4096)
-    except OSError:
-        pass
 
 
 @dataclass
@@ -111,13 +119,12 @@ class RequantPlan:
 
     def start(self, order: Sequence[str] = ()) -> None:
         """Start workers and queue jobs in `order` (the order convert will ask for the weights)."""
-        _pin_glibc_mmap_threshold()
         if self.workers > 1:
-            import torch
-
-            # One single-threaded op stream per worker thread; intra-op threads would only oversubscribe.
-            self._torch_threads = torch.get_num_threads()
-            torch.set_num_threads(1)
+            torch = sys.modules.get("torch")  # only jobs on the torch path use it; never import it for this
+            if torch is not None:
+                # One single-threaded op stream per worker thread; intra-op threads would only oversubscribe.
+                self._torch_threads = torch.get_num_threads()
+                torch.set_num_threads(1)
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="shardprep-requant")
         queued = [n for n in order if n in self.jobs]
         self._pending = queued + [n for n in self.jobs if n not in set(queued)]
@@ -129,9 +136,8 @@ class RequantPlan:
                 f.cancel()
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-            import torch
-
-            torch.set_num_threads(self._torch_threads)
+            if self._torch_threads:
+                sys.modules["torch"].set_num_threads(self._torch_threads)
 
     def _fill(self) -> None:
         # A bounded window, in jobs and in bytes: each job in flight holds about twice its weight, and
@@ -234,16 +240,17 @@ def plan_requant(
 
 def _all_pow2(ckpt: SourceCheckpoint, jobs: dict[str, RequantJob]) -> bool:
     """Scales are tiny (1/16384 of their weight), so reading all of them to check is cheap."""
-    import torch
-
-    from ..requant import scales_are_pow2
-    from ..runtime.views import torch_dtype
+    import numpy as np
 
     for job in jobs.values():
         s = job.scale
-        with open(job.scale_path, "rb") as f:
-            raw = bytearray(os.pread(f.fileno(), s.nbytes, s.start))
-        if not scales_are_pow2(torch.frombuffer(raw, dtype=torch.uint8).view(torch_dtype(s.dtype)).reshape(s.shape)):
+        if s.dtype != "F32":
+            return False  # bf16/f16 scales of a checkpoint still to requantize: treat as not UE8M0
+        bits = read_array(s, job.scale_path, np.uint32)
+        exponent = (bits >> 23) & 0xFF
+        # Positive normal powers of two (mantissa 0), or 2^-127, the one e8m0 value float32 holds as subnormal.
+        pow2 = ((bits >> 31) == 0) & (exponent >= 1) & (exponent <= 254) & ((bits & 0x7FFFFF) == 0)
+        if not (pow2 | (bits == 1 << 22)).all():
             return False
     return True
 

@@ -1,0 +1,154 @@
+"""The table-lookup requant of block-FP8 weights, in numpy: the same bytes as the torch recipe, no torch.
+
+Within one 128×128 block every element goes through the same function of its 8-bit code (dequantize with
+the block's scale, round to bfloat16 for "sglang", multiply by the new 1/sf, round to fp8), and |value|
+grows with the code's low 7 bits, so the block amax is the value of its largest code. The recipe's
+operations therefore run on the 256 codes of each block, and the block's codes go through that table
+with `bytes.translate`. float32 products and quotients are IEEE round-to-nearest-even in numpy as in
+torch; the bfloat16 and fp8 roundings are done on the bits, round to nearest even, as torch's casts do.
+`tests/test_requant.py` checks the bytes against the elementwise torch path and two references.
+
+Blocks holding a NaN code, or with a non-finite scale or amax, are not handled here (None is returned):
+the torch path reports them or applies `allow_nonfinite`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FP8_MAX = np.float32(448.0)
+AMAX_FLOOR = np.float32(1e-4)  # torch's clamp(min=1e-4) on float32 uses this same float32 value
+BLOCK = 128
+
+
+def _e4m3_values() -> np.ndarray:
+    codes = np.arange(256, dtype=np.int64)
+    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
+    magnitude = np.where(exponent == 0, mantissa * 2.0**-9, (1 + mantissa / 8.0) * 2.0 ** (exponent - 7))
+    values = np.where(codes & 0x80, -magnitude, magnitude).astype(np.float32)
+    values[(codes & 0x7F) == 0x7F] = np.nan
+    return values
+
+
+E4M3_VALUES = _e4m3_values()
+
+
+def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 → the nearest bfloat16 (ties to even), kept as float32; for finite inputs.
+
+    >>> round_to_bfloat16(np.array([1 + 2**-8, 1 + 3 * 2**-8], dtype=np.float32)).tolist()
+    [1.0, 1.015625]
+    """
+    bits = x.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return rounded.view(np.float32)
+
+
+def encode_e4m3(x: np.ndarray) -> np.ndarray:
+    """float32 with |x| ≤ 448 → float8_e4m3fn codes, rounding to nearest even (as torch's cast).
+
+    >>> encode_e4m3(np.array([1.0, -448.0, 2**-9, 2**-10, 3 * 2**-10, -0.0], dtype=np.float32)).tolist()
+    [56, 254, 1, 0, 2, 128]
+    """
+    bits = x.view(np.uint32)
+    sign = ((bits >> 24) & np.uint32(0x80)).astype(np.uint8)
+    magnitude = np.abs(x)
+    mbits = magnitude.view(np.uint32)
+    exponent = (mbits >> 23).astype(np.int32) - 127
+    mantissa = mbits & np.uint32(0x7FFFFF)
+    top3 = (mantissa >> 20).astype(np.int32)
+    rest = mantissa & np.uint32(0xFFFFF)
+    up = (rest > 0x80000) | ((rest == 0x80000) & ((top3 & 1) == 1))
+    # A mantissa that rounds up past 7 carries into the exponent field: the codes are contiguous.
+    normal = ((exponent + 7) << 3) + top3 + up
+    subnormal = np.rint(magnitude * np.float32(512.0)).astype(np.int32)  # units of 2^-9, exact scaling
+    code = np.where(exponent >= -6, normal, subnormal)
+    return code.astype(np.uint8) | sign
+
+
+def pow2_ceil(x: np.ndarray) -> np.ndarray:
+    """2^ceil(log2(x)) for positive float32 x, from the bits (DeepGEMM's `fast_log2_ceil`), as float32.
+
+    >>> pow2_ceil(np.array([0.25, 0.3, 1000.0], dtype=np.float32)).tolist()
+    [0.25, 0.5, 1024.0]
+    """
+    bits = x.view(np.uint32)
+    biased = ((bits >> 23) & np.uint32(0xFF)).astype(np.int32) + ((bits & np.uint32(0x7FFFFF)) != 0)
+    return (np.clip(biased, 1, 254).astype(np.uint32) << np.uint32(23)).view(np.float32)
+
+
+def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """Requantize one [rows, cols] matrix of fp8 codes (uint8) with its float32 block scales.
+
+    Returns (uint8 codes of the same shape, float32 power-of-two scales of scale's shape), or None when
+    a block holds a NaN code or a non-finite scale or amax.
+
+    >>> q, sf = requant_matrix(np.full((2, 3), 0x60, np.uint8), np.array([[3.0]], np.float32), "sglang")
+    >>> sf.tolist(), int(q[0, 0])  # code 0x60 is 32; 32 * 3 = 96; 96 / 448 → 0.25; 96 / 0.25 = 384 is code 124
+    ([[0.25]], 124)
+    """
+    rows, cols = codes.shape
+    blocks_n, blocks_k = scale.shape
+    if not np.isfinite(scale).all():
+        return None
+    if (rows, cols) != (blocks_n * BLOCK, blocks_k * BLOCK):
+        padded = np.zeros((blocks_n * BLOCK, blocks_k * BLOCK), dtype=np.uint8)  # code 0 is +0.0
+        padded[:rows, :cols] = codes
+        codes = padded
+    blocks = np.ascontiguousarray(
+        codes.reshape(blocks_n, BLOCK, blocks_k, BLOCK).transpose(0, 2, 1, 3)).reshape(blocks_n, blocks_k, -1)
+    top = (blocks & np.uint8(0x7F)).max(axis=2)
+    if (top == 0x7F).any():
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        x_top = E4M3_VALUES[top] * scale
+        if recipe == "sglang":
+            x_top = round_to_bfloat16(x_top)
+        if not np.isfinite(x_top).all():
+            return None
+        sf = pow2_ceil(np.maximum(x_top, AMAX_FLOOR) / FP8_MAX)
+        table = E4M3_VALUES[None, None, :] * scale[:, :, None]
+        if recipe == "sglang":
+            table = round_to_bfloat16(table)
+        table = encode_e4m3(table * (np.float32(1.0) / sf)[:, :, None])
+    out = np.empty_like(blocks)
+    src, dst = memoryview(blocks).cast("B"), memoryview(out).cast("B")
+    tables = table.reshape(-1, 256)
+    size = blocks.shape[2]
+    for b in range(tables.shape[0]):
+        # bytes.translate maps a 16 KB block through its table at memcpy-like speed, releasing the GIL.
+        dst[b * size:(b + 1) * size] = src[b * size:(b + 1) * size].tobytes().translate(tables[b].tobytes())
+    q = out.reshape(blocks_n, blocks_k, BLOCK, BLOCK).transpose(0, 2, 1, 3).reshape(codes.shape)
+    return q[:rows, :cols], sf
+
+
+def requant_codes(
+    codes: np.ndarray, scale: np.ndarray, recipe: str, chunk_elements: int = 1 << 20
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Requantize fp8 codes [..., N, K] (uint8) with float32 scales [..., ceil(N/128), ceil(K/128)].
+
+    Experts are independent matrices and 128-row stripes are independent blocks, so the work is done a
+    few stripes (about `chunk_elements` codes) at a time, which bounds memory and gives the same bytes.
+    Returns None where `requant_matrix` does, or for a scale of the wrong shape (the torch path then
+    reports it).
+
+    >>> q, sf = requant_codes(np.zeros((2, 130, 3), np.uint8), np.ones((2, 2, 1), np.float32), "sglang")
+    >>> q.shape, sf.shape, float(sf.min())
+    ((2, 130, 3), (2, 2, 1), 2.384185791015625e-07)
+    """
+    *lead, n, k = codes.shape
+    blocks_n, blocks_k = -(-n // BLOCK), -(-k // BLOCK)
+    if tuple(scale.shape) != (*lead, blocks_n, blocks_k) or scale.dtype != np.float32:
+        return None
+    matrices, scales = codes.reshape(-1, n, k), scale.reshape(-1, blocks_n, blocks_k)
+    q, sf = np.empty_like(matrices), np.empty_like(scales)
+    rows_per_pass = BLOCK * max(1, chunk_elements // (BLOCK * BLOCK * blocks_k))
+    for e in range(matrices.shape[0]):
+        for row0 in range(0, n, rows_per_pass):
+            row1 = min(n, row0 + rows_per_pass)
+            stripes = slice(row0 // BLOCK, -(-row1 // BLOCK))
+            result = requant_matrix(matrices[e, row0:row1], scales[e, stripes], recipe)
+            if result is None:
+                return None
+            q[e, row0:row1], sf[e, stripes] = result
+    return q.reshape(codes.shape), sf.reshape(scale.shape)
