@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -32,3 +34,10 @@ def run_command(
                          save_outputs, json_out)
     with cli_errors():
         run(options, nproc)
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        # A worker whose job is done leaves without interpreter teardown: destroying torch's gloo process
+        # group objects during it raced with their C++ threads ("terminate called without an active
+        # exception", abort, about one run in six of tests/test_run.py), failing a run that had finished.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
