@@ -3,6 +3,7 @@
 Several ranks, idle steps and the memory formula are covered end to end by test_run.py.
 """
 
+import gc
 import socket
 
 import pytest
@@ -30,7 +31,11 @@ def world_of_one():
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
+    # Free the tests' gatherers (they hold the group) now rather than at interpreter exit, where
+    # destroying gloo objects can race with their threads (see shardprep/cli/run.py).
+    gc.collect()
     dist.destroy_process_group()
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
