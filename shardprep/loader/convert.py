@@ -20,7 +20,7 @@ from typing import Any
 import xxhash
 
 from .. import __version__
-from ..errors import OutputError, ShardprepError, SourceError
+from ..errors import OutputError, ShardprepError
 from ..manifests.layout import LayerLayout, TensorSpec, plan_file_offsets, plan_layer
 from ..manifests.manifest import MANIFEST_NAME, REPLICATED_INDEX, LayerRecord, Manifest, rank_file_name
 from ..manifests.selection import (
@@ -33,7 +33,7 @@ from ..manifests.selection import (
 )
 from .output_dir import check_output_dir, staged_directory
 from .safetensors_writer import FileRange, OutTensor, write_safetensors
-from .source import INDEX_NAME, SourceCheckpoint, open_source
+from .source import INDEX_NAME, SourceCheckpoint, open_source, pread_exact
 
 Progress = Callable[[int, int], None]
 """progress(bytes_done, bytes_total), called as work advances."""
@@ -116,25 +116,19 @@ def convert(
         layer_pattern=layer_pattern or DEFAULT_LAYER_PATTERN,
     )
     plan = select_targets(ckpt.tensors, selection)
-    layouts = [
-        plan_layer(idx, [_spec(ckpt, n) for n in names], ranks, plan.groups.get(idx, ()))
-        for idx, names in plan.layers.items()
-    ]
 
-    from .requant_step import plan_requant  # torch is imported only when a checkpoint may need it
+    from .requant_step import plan_requant
 
     requant_plan = plan_requant(ckpt, plan.names, mode=requant, scope=requant_scope, recipe=requant_recipe,
                                 scale_format=scale_format, allow_nonfinite=allow_nonfinite, device=device,
                                 workers=workers)
     overrides = requant_plan.overrides if requant_plan else {}
-    if overrides:
-        # Requant changes target dtypes only in name-preserving ways (F8_E4M3 stays F8_E4M3), but re-plan
-        # from the override specs so the layout always describes the bytes actually written.
-        layouts = [
-            plan_layer(lay.layer, [_spec(ckpt, e.name, overrides) for e in lay.entries], ranks,
-                       plan.groups.get(lay.layer, ()))
-            for lay in layouts
-        ]
+    # Laid out from the override specs, so the layout describes the bytes actually written (a targeted
+    # scale written as F8_E8M0 is a quarter of its F32 source).
+    layouts = [
+        plan_layer(idx, [_spec(ckpt, n, overrides) for n in names], ranks, plan.groups.get(idx, ()))
+        for idx, names in plan.layers.items()
+    ]
     offsets = plan_file_offsets([lay.chunk_bytes for lay in layouts])
 
     target_bytes = sum(e.nbytes for lay in layouts for e in lay.entries)
@@ -232,7 +226,7 @@ def _write_rank_files(
                     t = ckpt.tensors[e.name]
                     if t.file not in src_fds:
                         src_fds[t.file] = os.open(ckpt.files[t.file].path, os.O_RDONLY)
-                    _pread_into(src_fds[t.file], dest, t.start, ckpt.files[t.file].path)
+                    pread_exact(src_fds[t.file], dest, t.start, ckpt.files[t.file].path)
                 at = e.offset + e.nbytes
                 tracker(e.nbytes)
             flat[at:] = bytes(lay.total_bytes - at)
@@ -253,15 +247,6 @@ def _write_rank_files(
         for fd in (*rank_fds, *src_fds.values()):
             os.close(fd)
     return records
-
-
-def _pread_into(fd: int, dest: memoryview, offset: int, path: Path) -> None:
-    done = 0
-    while done < len(dest):
-        n = os.preadv(fd, [dest[done:]], offset + done)
-        if n == 0:
-            raise SourceError(f"{path}: truncated (ended while reading at byte {offset + done})")
-        done += n
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

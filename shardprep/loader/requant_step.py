@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import RequantError, ShardprepError
-from .source import SourceCheckpoint, SourceTensor
+from .source import SourceCheckpoint, SourceTensor, pread_exact
 
 MODES = ("auto", "ue8m0", "none")
 SCOPES = ("all", "targets")
@@ -74,13 +74,8 @@ def read_array(t: SourceTensor, path: str, dtype) -> Any:
     import numpy as np
 
     raw = np.empty(t.nbytes, dtype=np.uint8)
-    view, done = memoryview(raw), 0
     with open(path, "rb") as f:
-        while done < t.nbytes:
-            n = os.preadv(f.fileno(), [view[done:]], t.start + done)
-            if n == 0:
-                raise RequantError(f"{path}: truncated while reading tensor {t.name!r}")
-            done += n
+        pread_exact(f.fileno(), memoryview(raw), t.start, path)
     return raw.view(dtype)
 
 

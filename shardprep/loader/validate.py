@@ -179,17 +179,12 @@ def _check_against_source(root: Path, m: Manifest, weight_map: dict[str, str], s
                     continue
                 got = flat[e.offset:e.offset + e.nbytes]
                 report.count("target_tensors_compared")
-                if e.name in overrides:
-                    expected = bytes(overrides[e.name].produce())
-                else:
-                    t = ckpt.tensors[e.name]
-                    if (t.dtype, tuple(t.shape)) != (e.dtype, tuple(e.shape)):
-                        report.add(f"tensor {e.name!r}: manifest says {e.dtype}{list(e.shape)}, "
-                                   f"source has {t.dtype}{list(t.shape)}")
-                        continue
-                    with open(ckpt.files[t.file].path, "rb") as f:
-                        expected = os.pread(f.fileno(), t.nbytes, t.start)
-                if got != expected:
+                t = ckpt.tensors[e.name]
+                if e.name not in overrides and (t.dtype, tuple(t.shape)) != (e.dtype, tuple(e.shape)):
+                    report.add(f"tensor {e.name!r}: manifest says {e.dtype}{list(e.shape)}, "
+                               f"source has {t.dtype}{list(t.shape)}")
+                    continue
+                if got != _expected_bytes(ckpt, overrides, e.name):
                     report.add(f"tensor {e.name!r}: bytes rebuilt from the rank files differ from the source")
     finally:
         for fd in fds:
@@ -214,12 +209,11 @@ def _check_replicated_bytes(root: Path, weight_map: dict[str, str], ckpt, overri
         b, e = header[name]["data_offsets"]
         with open(root / fname, "rb") as f:
             got = os.pread(f.fileno(), e - b, start + b)
-        if name in overrides:
-            expected = bytes(overrides[name].produce())
-        else:
-            t = ckpt.tensors[name]
-            with open(ckpt.files[t.file].path, "rb") as f:
-                expected = os.pread(f.fileno(), t.nbytes, t.start)
         report.count("replicated_tensors_compared")
-        if got != expected:
+        if got != _expected_bytes(ckpt, overrides, name):
             report.add(f"{fname}: tensor {name!r} differs from the source")
+
+
+def _expected_bytes(ckpt, overrides, name: str) -> bytes:
+    """What the output must hold for a source tensor: its recomputed requant, or its source bytes."""
+    return bytes(overrides[name].produce()) if name in overrides else ckpt.read_tensor(name)
