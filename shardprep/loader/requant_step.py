@@ -4,9 +4,9 @@ The math lives in `shardprep.requant` (a pure tensor transform); this module rea
 scales from the source files, runs the transform on a thread pool, and hands convert `TensorOverride`s
 in the order convert consumes them, with a bounded window in flight.
 
-Threads, not processes: torch releases the GIL inside its kernels, so one single-threaded torch op
-stream per core scales (2 threads: 2.4x one thread on the 2-core CI machine) with no process start-up
-(importing torch) and no pickling of weights back to the parent.
+Threads, not processes: on the CPU the work is numpy and `bytes.translate`, which release the GIL on
+large inputs, so a thread per core scales with no process start-up and no pickling of weights back to
+the parent; torch (CUDA, or non-finite blocks) is imported only by the jobs that need it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ WINDOW_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class RequantJob:
-    """Everything a worker needs to requantize one weight, picklable."""
+    """Everything a worker thread needs to requantize one weight."""
 
     name: str
     weight: SourceTensor
@@ -53,7 +53,7 @@ def run_job(job: RequantJob) -> tuple[Any, Any]:
     """
     import numpy as np
 
-    from ..requant.lookup import requant_codes
+    from ..requant.lookup import e8m0_codes, requant_codes
 
     w, s = job.weight, job.scale
     if job.device == "cpu" and w.dtype == "F8_E4M3" and s.dtype == "F32":
@@ -63,8 +63,7 @@ def run_job(job: RequantJob) -> tuple[Any, Any]:
         if fast is not None:
             q, sf = fast
             if job.scale_format == "e8m0":
-                # Every sf is a normal power of two: its e8m0 byte is the float32 exponent field.
-                return q.reshape(-1), ((sf.view(np.uint32) >> 23) & 0xFF).astype(np.uint8).reshape(-1)
+                return q.reshape(-1), e8m0_codes(sf).reshape(-1)
             return q.reshape(-1), sf.view(np.uint8).reshape(-1)
     return _run_job_torch(job)
 
@@ -237,15 +236,13 @@ def _all_pow2(ckpt: SourceCheckpoint, jobs: dict[str, RequantJob]) -> bool:
     """Scales are tiny (1/16384 of their weight), so reading all of them to check is cheap."""
     import numpy as np
 
+    from ..requant.lookup import are_e8m0_powers_of_two
+
     for job in jobs.values():
         s = job.scale
         if s.dtype != "F32":
             return False  # bf16/f16 scales of a checkpoint still to requantize: treat as not UE8M0
-        bits = read_array(s, job.scale_path, np.uint32)
-        exponent = (bits >> 23) & 0xFF
-        # Positive normal powers of two (mantissa 0), or 2^-127, the one e8m0 value float32 holds as subnormal.
-        pow2 = ((bits >> 31) == 0) & (exponent >= 1) & (exponent <= 254) & ((bits & 0x7FFFFF) == 0)
-        if not (pow2 | (bits == 1 << 22)).all():
+        if not are_e8m0_powers_of_two(read_array(s, job.scale_path, np.float32)):
             return False
     return True
 

@@ -77,6 +77,28 @@ def pow2_ceil(x: np.ndarray) -> np.ndarray:
     return (np.clip(biased, 1, 254).astype(np.uint32) << np.uint32(23)).view(np.float32)
 
 
+def are_e8m0_powers_of_two(x: np.ndarray) -> bool:
+    """Whether every float32 element is a positive power of two that e8m0 holds (2^-127 to 2^127).
+
+    >>> are_e8m0_powers_of_two(np.array([0.5, 1.0, 2.0**-127], np.float32)), are_e8m0_powers_of_two(np.ones(1) * 0.75)
+    (True, False)
+    """
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    exponent = (bits >> 23) & 0xFF
+    normal = ((bits >> 31) == 0) & (exponent >= 1) & (exponent <= 254) & ((bits & 0x7FFFFF) == 0)
+    # 2^-127 is the one e8m0 value float32 holds only as a subnormal (0x00400000).
+    return bool((normal | (bits == 1 << 22)).all())
+
+
+def e8m0_codes(pow2: np.ndarray) -> np.ndarray:
+    """The e8m0 byte of each float32 power of two: its exponent field (0 for the subnormal 2^-127).
+
+    >>> e8m0_codes(np.array([1.0, 0.5, 2.0**-22], np.float32)).tolist()
+    [127, 126, 105]
+    """
+    return ((np.ascontiguousarray(pow2, dtype=np.float32).view(np.uint32) >> 23) & 0xFF).astype(np.uint8)
+
+
 def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray] | None:
     """Requantize one [rows, cols] matrix of fp8 codes (uint8) with its float32 block scales.
 

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import RequantError
 from . import RECIPES
-from .lookup import BLOCK, requant_codes
+from .lookup import BLOCK, are_e8m0_powers_of_two, e8m0_codes, requant_codes
 
 FP8_MAX = 448.0
 # Below this block maximum every block gets the same scale (2^-22), so all-zero blocks stay well defined.
@@ -21,8 +21,6 @@ AMAX_FLOOR = 1e-4
 # float32 bit fields.
 _MANTISSA_MASK = (1 << 23) - 1
 _EXPONENT_MASK = 0xFF
-# 2^-127: the one e8m0 value that float32 can only hold as a subnormal.
-_E8M0_MIN_BITS = 1 << 22
 # Elements per pass. A pass holds about five float32-sized copies of its rows, so this keeps a pass under
 # ~25 MB whether the tensor is one 7168x18432 matrix or 256 experts (the convert memory bound needs it small).
 _CHUNK_ELEMENTS = 1 << 20
@@ -121,10 +119,7 @@ def scales_are_pow2(scale_inv: torch.Tensor) -> bool:
     >>> scales_are_pow2(torch.tensor([0.5, 1.0, 2.0 ** -20])), scales_are_pow2(torch.tensor([0.75]))
     (True, False)
     """
-    bits = scale_inv.to(torch.float32).view(torch.int32)
-    exponent = (bits >> 23) & _EXPONENT_MASK
-    normal = (bits >= 0) & (exponent >= 1) & (exponent <= 254) & ((bits & _MANTISSA_MASK) == 0)
-    return bool((normal | (bits == _E8M0_MIN_BITS)).all())
+    return are_e8m0_powers_of_two(scale_inv.to(torch.float32).cpu().numpy())
 
 
 def scale_to_e8m0(scale_inv_pow2: torch.Tensor, *, name: str = "?") -> torch.Tensor:
@@ -140,9 +135,8 @@ def scale_to_e8m0(scale_inv_pow2: torch.Tensor, *, name: str = "?") -> torch.Ten
         raise RequantError(
             f"tensor {name!r}: scales are not all powers of two in [2^-127, 2^127], so they have no exact "
             f"e8m0 form; requantize the weight with requant_ue8m0 first")
-    # 2^-127 is the float32 subnormal 0x00400000, whose exponent field is 0: its e8m0 byte, as wanted.
-    exponent = (scale_inv_pow2.to(torch.float32).view(torch.int32) >> 23) & _EXPONENT_MASK
-    return exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
+    codes = e8m0_codes(scale_inv_pow2.to(torch.float32).cpu().numpy())
+    return torch.from_numpy(codes).view(torch.float8_e8m0fnu).to(scale_inv_pow2.device)
 
 
 def _fp8_values(device: torch.device) -> torch.Tensor:
