@@ -114,6 +114,11 @@ def check_run_dir(directory: str | Path, world_size: int | None = None) -> Manif
     return manifest
 
 
+def is_torchrun_worker() -> bool:
+    """True in a process started by torchrun (or `launch`): RANK and WORLD_SIZE are set."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
 def run(options: RunOptions, nproc: int | None = None) -> int:
     """Run `options` as a worker when started by torchrun (WORLD_SIZE set), else launch `nproc` workers.
 
@@ -123,7 +128,7 @@ def run(options: RunOptions, nproc: int | None = None) -> int:
     hello world → the model shard ...
     0
     """
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+    if is_torchrun_worker():
         if nproc is not None and nproc != int(os.environ["WORLD_SIZE"]):
             raise RuntimeShardError(
                 f"--nproc {nproc} inside a torchrun job of {os.environ['WORLD_SIZE']} processes; drop --nproc"

@@ -28,13 +28,13 @@ def run_command(
     = False,
 ) -> None:
     """Run prompts on N local ranks from a pre-sharded directory; rank 0 prints the generated text."""
-    from ..run import DEFAULT_PROMPT, RunOptions, run
+    from ..run import DEFAULT_PROMPT, RunOptions, is_torchrun_worker, run
 
     options = RunOptions(directory, tuple(prompt or (DEFAULT_PROMPT,)), max_new_tokens, device, backend,
                          save_outputs, json_out)
     with cli_errors():
         run(options, nproc)
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+    if is_torchrun_worker():
         # A worker whose job is done leaves without interpreter teardown: destroying torch's gloo process
         # group objects during it raced with their C++ threads ("terminate called without an active
         # exception", abort, about one run in six of tests/test_run.py), failing a run that had finished.
