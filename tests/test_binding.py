@@ -4,12 +4,12 @@ Several ranks, idle steps and the memory formula are covered end to end by test_
 """
 
 import gc
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 from checkpoints import read_state_dict
+from spawn_group import free_port
 from torch import nn
 
 from shardprep.errors import RuntimeShardError
@@ -26,10 +26,7 @@ def world_of_one():
         assert dist.get_world_size() == 1
         yield
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     # Free the tests' gatherers (they hold the group) now rather than at interpreter exit, where
     # destroying gloo objects can race with their threads (see shardprep/cli/run.py).

@@ -19,6 +19,10 @@ import numpy as np
 FP8_MAX = np.float32(448.0)
 AMAX_FLOOR = np.float32(1e-4)  # torch's clamp(min=1e-4) on float32 uses this same float32 value
 BLOCK = 128
+# Codes per pass. A pass holds a few copies of its rows (about five float32-sized ones on the torch path), so
+# this keeps a pass under ~25 MB whether the tensor is one 7168x18432 matrix or 256 experts: the convert
+# memory bound needs it small.
+CHUNK_ELEMENTS = 1 << 20
 
 
 def _e4m3_values() -> np.ndarray:
@@ -145,7 +149,7 @@ def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[n
 
 
 def requant_codes(
-    codes: np.ndarray, scale: np.ndarray, recipe: str, chunk_elements: int = 1 << 20
+    codes: np.ndarray, scale: np.ndarray, recipe: str, chunk_elements: int = CHUNK_ELEMENTS
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Requantize fp8 codes [..., N, K] (uint8) with float32 scales [..., ceil(N/128), ceil(K/128)].
 

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import RequantError
 from . import RECIPES
-from .lookup import BLOCK, are_e8m0_powers_of_two, e8m0_codes, requant_codes
+from .lookup import BLOCK, CHUNK_ELEMENTS, are_e8m0_powers_of_two, e8m0_codes, requant_codes
 
 FP8_MAX = 448.0
 # Below this block maximum every block gets the same scale (2^-22), so all-zero blocks stay well defined.
@@ -21,9 +21,9 @@ AMAX_FLOOR = 1e-4
 # float32 bit fields.
 _MANTISSA_MASK = (1 << 23) - 1
 _EXPONENT_MASK = 0xFF
-# Elements per pass. A pass holds about five float32-sized copies of its rows, so this keeps a pass under
-# ~25 MB whether the tensor is one 7168x18432 matrix or 256 experts (the convert memory bound needs it small).
-_CHUNK_ELEMENTS = 1 << 20
+# Elements per pass, the same bound as the numpy path's (lookup.CHUNK_ELEMENTS); a module name so tests can
+# force several passes.
+_CHUNK_ELEMENTS = CHUNK_ELEMENTS
 # Scale dtypes whose every value float32 holds exactly, so converting them first changes no product.
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
 
