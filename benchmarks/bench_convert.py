@@ -31,9 +31,11 @@ def vm_hwm():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
 sys.path.insert(0, {repo!r})
-from shardprep.loader.convert import convert
+from shardprep.prep.convert import convert
+from shardprep.prep.requant_jobs import RequantOptions
 t = time.perf_counter()
-s = convert({src!r}, {out!r}, {ranks}, preset={preset!r}, copy_mode={copy_mode!r}, workers={workers})
+s = convert({src!r}, {out!r}, {ranks}, preset={preset!r}, copy_mode={copy_mode!r},
+            requant=RequantOptions(workers={workers}))
 print(json.dumps({{"seconds": time.perf_counter() - t, "maxrss": vm_hwm(),
                   "target_bytes": s.target_bytes, "requantized": s.requantized_tensors,
                   "linked": len(s.linked_files)}}))

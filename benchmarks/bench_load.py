@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     command = "python3 benchmarks/bench_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
     sys.path.insert(0, str(REPO))
-    from shardprep.loader.convert import convert
+    from shardprep.prep.convert import convert
 
     work = Path(tempfile.mkdtemp(prefix="bench_load_", dir=a.workdir))
     try:

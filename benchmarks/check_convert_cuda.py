@@ -31,7 +31,7 @@ def main() -> int:
     from checkpoints import make_checkpoint
     from fp8_fixture import quantize_checkpoint_fp8
 
-    from shardprep.loader.convert import convert
+    from shardprep.prep.convert import convert
 
     work = args.work or Path(tempfile.mkdtemp(prefix="check-convert-cuda-"))
     bf16 = make_checkpoint(work / "bf16", "deepseek-v3", hidden=160, sharded=True, tokenizer=False)

@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from checkpoints import make_checkpoint  # noqa: E402
 from test_run import transformers_outputs  # noqa: E402
 
-from shardprep.loader.convert import convert  # noqa: E402
 from shardprep.manifests import load_manifest  # noqa: E402
+from shardprep.prep.convert import convert  # noqa: E402
 
 K = 8
 PROMPTS = ["hello world", "the model", "shard the weights gpu rank layer fast"]  # rank 1 of 2 idles once

@@ -1,29 +1,31 @@
 """shardprep: pre-shard the weights every GPU would otherwise replicate, and gather them back layer by layer.
 
-Offline: `convert` a HF safetensors checkpoint into per-rank flat chunks plus a manifest, `validate`
-and `inspect` the result. Online: `loader.open_rank` maps one rank's file, `runtime.LayerGatherer`
-rebuilds each layer's weights with one AllGather, one layer ahead.
+Offline (`shardprep.prep`, no torch needed): `convert` a HF safetensors checkpoint into per-rank flat
+chunks plus a manifest, `validate` and `inspect` the result. Startup (`shardprep.loader`): `open_rank`
+maps one rank's file into one device buffer. Runtime (`shardprep.runtime`): `LayerGatherer` rebuilds
+each layer's weights with one AllGather, one layer ahead; `bind` points a model at them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
 from .errors import ShardprepError
 
-__version__ = "0.1.0"
-
 if TYPE_CHECKING:
-    from .loader.convert import ConvertSummary, convert
-    from .loader.inspect_dir import inspect
-    from .loader.validate import ValidationReport, validate
+    from .prep.convert import ConvertSummary, convert
+    from .prep.inspect import inspect
+    from .prep.requant_jobs import RequantOptions
+    from .prep.validate import ValidationReport, validate
 
 _LAZY = {
-    "convert": ("shardprep.loader.convert", "convert"),
-    "ConvertSummary": ("shardprep.loader.convert", "ConvertSummary"),
-    "validate": ("shardprep.loader.validate", "validate"),
-    "ValidationReport": ("shardprep.loader.validate", "ValidationReport"),
-    "inspect": ("shardprep.loader.inspect_dir", "inspect"),
+    "convert": ("shardprep.prep.convert", "convert"),
+    "ConvertSummary": ("shardprep.prep.convert", "ConvertSummary"),
+    "validate": ("shardprep.prep.validate", "validate"),
+    "ValidationReport": ("shardprep.prep.validate", "ValidationReport"),
+    "inspect": ("shardprep.prep.inspect", "inspect"),
+    "RequantOptions": ("shardprep.prep.requant_jobs", "RequantOptions"),
 }
 
 
@@ -37,4 +39,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'shardprep' has no attribute {name!r}")
 
 
-__all__ = ["ConvertSummary", "ShardprepError", "ValidationReport", "__version__", "convert", "inspect", "validate"]
+__all__ = ["ConvertSummary", "RequantOptions", "ShardprepError", "ValidationReport", "__version__", "convert",
+           "inspect",
+           "validate"]

@@ -13,8 +13,8 @@ from spawn_group import free_port
 from torch import nn
 
 from shardprep.errors import RuntimeShardError
-from shardprep.loader.convert import convert
 from shardprep.loader.rank_shards import open_rank
+from shardprep.prep.convert import convert
 from shardprep.runtime.binding import bind
 from shardprep.runtime.gatherer import LayerGatherer
 from shardprep.runtime.hf_model import build_model

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PURE = ["shardprep.manifests.layout", "shardprep.manifests.manifest", "shardprep.manifests.selection",
+PURE = ["shardprep.manifests.layout", "shardprep.manifests.manifest", "shardprep.prep.selection",
         "shardprep.manifests.accounting", "shardprep.manifests.dtypes"]
 
 
@@ -21,7 +21,7 @@ def test_docstring_examples_run(module):
 
 
 def test_manifests_package_imports_neither_torch_nor_file_writers():
-    code = ("import sys; import shardprep.manifests, shardprep.manifests.selection; "
+    code = ("import sys; import shardprep.manifests, shardprep.prep.selection; "
             "bad = [m for m in ('torch', 'torch.distributed', 'shardprep.loader') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -10,8 +10,8 @@ from reconstruct import rebuild_layers
 from safetensors import safe_open
 
 from shardprep.errors import OutputError
-from shardprep.loader.convert import convert
-from shardprep.loader.validate import validate
+from shardprep.prep.convert import convert
+from shardprep.prep.validate import validate
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -119,7 +119,7 @@ def test_non_empty_output_is_refused_then_replaced_with_overwrite(checkpoint_cac
 
 
 def test_interrupted_convert_leaves_nothing_that_validates(checkpoint_cache, tmp_path, monkeypatch):
-    import shardprep.loader.convert as convert_module
+    import shardprep.prep.writer as writer_module
 
     src = checkpoint_cache("llama", sharded=True)
     out = tmp_path / "out"
@@ -127,7 +127,7 @@ def test_interrupted_convert_leaves_nothing_that_validates(checkpoint_cache, tmp
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert_module, "_copy_other_files", boom)
+    monkeypatch.setattr(writer_module, "_copy_other_files", boom)
     with pytest.raises(KeyboardInterrupt):
         convert(src, out, 2, preset="llama")
     assert not out.exists()
@@ -135,7 +135,7 @@ def test_interrupted_convert_leaves_nothing_that_validates(checkpoint_cache, tmp
 
 
 def test_interrupted_overwrite_keeps_previous_output(checkpoint_cache, tmp_path, monkeypatch):
-    import shardprep.loader.convert as convert_module
+    import shardprep.prep.writer as writer_module
 
     src = checkpoint_cache("llama")
     out = tmp_path / "out"
@@ -145,7 +145,7 @@ def test_interrupted_overwrite_keeps_previous_output(checkpoint_cache, tmp_path,
     def boom(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(convert_module, "_pwrite_all", boom)
+    monkeypatch.setattr(writer_module, "pwrite_all", boom)
     with pytest.raises(OutputError):
         convert(src, out, 4, preset="llama", overwrite=True)
     assert (out / "shard_manifest.json").read_text() == before

@@ -23,7 +23,7 @@ def vm_hwm():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
-from shardprep.loader.convert import convert
+from shardprep.prep.convert import convert
 s = convert({src!r}, {out!r}, 8, preset={preset!r}, layers="all")
 print(json.dumps({{"maxrss_kb": vm_hwm() // 1024, "target_bytes": s.target_bytes}}))
 """

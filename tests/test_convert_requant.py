@@ -13,8 +13,9 @@ from reconstruct import rebuild_layers
 from test_requant import reference_requant
 
 from shardprep.errors import RequantError
-from shardprep.loader.convert import convert
-from shardprep.loader.validate import validate
+from shardprep.prep.convert import convert
+from shardprep.prep.requant_jobs import RequantOptions
+from shardprep.prep.validate import validate
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_requantized_targets_and_replicated_weights_match_the_reference(fp8_sour
 
 def test_scope_targets_leaves_replicated_weights_untouched(fp8_source, tmp_path):
     out = tmp_path / "out"
-    convert(fp8_source, out, 2, preset="deepseek-v3", requant_scope="targets", requant_recipe="fp32")
+    convert(fp8_source, out, 2, preset="deepseek-v3", requant=RequantOptions(scope="targets", recipe="fp32"))
     source, replicated = read_state_dict(fp8_source), read_state_dict(out)
     rebuilt = rebuild_layers(out)
     name = "model.layers.1.self_attn.o_proj.weight"
@@ -73,7 +74,7 @@ def test_scope_targets_leaves_replicated_weights_untouched(fp8_source, tmp_path)
 
 def test_requant_none_and_already_ue8m0_sources_are_left_alone(fp8_source, tmp_path):
     out = tmp_path / "none"
-    summary = convert(fp8_source, out, 2, preset="deepseek-v3", requant="none")
+    summary = convert(fp8_source, out, 2, preset="deepseek-v3", requant=RequantOptions(mode="none"))
     assert summary.requantized_tensors == 0 and summary.quantization is None
     assert validate(out, source=fp8_source).ok
     # Requantize every FP8 weight into the replicated part (the targets are norms, not FP8).
@@ -94,7 +95,7 @@ def test_requant_none_and_already_ue8m0_sources_are_left_alone(fp8_source, tmp_p
 
 def test_e8m0_scale_format_writes_f8_e8m0_powers_of_two(fp8_source, tmp_path):
     out = tmp_path / "out"
-    convert(fp8_source, out, 2, preset="deepseek-v3", scale_format="e8m0")
+    convert(fp8_source, out, 2, preset="deepseek-v3", requant=RequantOptions(scale_format="e8m0"))
     source, replicated = read_state_dict(fp8_source), read_state_dict(out)
     name = "model.layers.0.self_attn.o_proj.weight"
     _, s_ref = reference_requant(source[name], source[name + "_scale_inv"], "sglang")
@@ -105,7 +106,7 @@ def test_e8m0_scale_format_writes_f8_e8m0_powers_of_two(fp8_source, tmp_path):
 
 def test_ue8m0_requested_on_a_bf16_checkpoint_is_refused(checkpoint_cache, tmp_path):
     with pytest.raises(RequantError, match="declares no block-FP8"):
-        convert(checkpoint_cache("llama"), tmp_path / "out", 2, preset="llama", requant="ue8m0")
+        convert(checkpoint_cache("llama"), tmp_path / "out", 2, preset="llama", requant=RequantOptions(mode="ue8m0"))
     assert not (tmp_path / "out").exists()
 
 
@@ -126,7 +127,7 @@ def test_nonfinite_weight_is_refused_naming_it_unless_allowed(fp8_source, tmp_pa
                            "--preset", "deepseek-v3"], capture_output=True, text=True)
     assert proc.returncode == 2 and name in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
-    summary = convert(src, tmp_path / "ok", 2, preset="deepseek-v3", allow_nonfinite=True)
+    summary = convert(src, tmp_path / "ok", 2, preset="deepseek-v3", requant=RequantOptions(allow_nonfinite=True))
     assert summary.requantized_tensors > 0
 
 
@@ -148,7 +149,8 @@ os.waitpid(pid, 0)
 
 CHILD = """
 import json
-from shardprep.loader.convert import convert
+from shardprep.prep.convert import convert
+from shardprep.prep.requant_jobs import RequantOptions
 s = convert({fp8!r}, {out!r}, 4, preset="deepseek-v3")
 hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 print(json.dumps({{"hwm": hwm, "requantized": s.requantized_tensors, "bytes": s.target_bytes}}))

@@ -18,7 +18,7 @@ import torch
 from spawn_group import run_ranks
 
 from shardprep.errors import RuntimeShardError
-from shardprep.loader.convert import convert
+from shardprep.prep.convert import convert
 
 WORLD_SIZES = (2, 4, 8)  # 8: the seed's one-node deployment, for correctness (no 8-GPU machine is lent)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from spawn_group import run_ranks
 
-from shardprep.loader.convert import convert
+from shardprep.prep.convert import convert
 
 pytestmark = pytest.mark.gpu
 

@@ -14,9 +14,9 @@ from checkpoints import read_state_dict
 
 from shardprep.errors import RuntimeShardError
 from shardprep.loader import RankShards, open_rank
-from shardprep.loader.convert import convert
 from shardprep.loader.rank_shards import copy_through_staging
 from shardprep.manifests import load_manifest
+from shardprep.prep.convert import convert
 from shardprep.runtime.views import layer_views
 
 ROOT = Path(__file__).resolve().parents[1]

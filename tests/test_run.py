@@ -16,8 +16,8 @@ from checkpoints import read_state_dict
 from typer.testing import CliRunner
 
 from shardprep.cli import app
-from shardprep.loader.convert import convert
 from shardprep.manifests import account, load_manifest
+from shardprep.prep.convert import convert
 
 K = 6
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from shardprep.errors import SelectionError
-from shardprep.manifests.selection import Selection, builtin_presets, load_preset, parse_layer_range, select_targets
+from shardprep.prep.selection import Selection, builtin_presets, load_preset, parse_layer_range, select_targets
 
 NAMES = [
     "model.embed_tokens.weight",

@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from shardprep.cli import app
-from shardprep.loader.convert import convert
-from shardprep.loader.validate import validate
+from shardprep.prep.convert import convert
+from shardprep.prep.validate import validate
 
 runner = CliRunner()
 

@@ -9,6 +9,7 @@ import typer
 
 from .convert import convert_command
 from .inspect import inspect_command
+from .run import run_command
 from .validate import validate_command
 
 app = typer.Typer(
@@ -32,12 +33,7 @@ app.command("convert")(convert_command)
 app.command("validate")(validate_command)
 app.command("inspect")(inspect_command)
 
-try:
-    from .run import run_command
-except ImportError:  # the runner lands separately; the offline commands do not need it
-    run_command = None
-if run_command is not None:
-    app.command("run", context_settings={"allow_extra_args": False})(run_command)
+app.command("run", context_settings={"allow_extra_args": False})(run_command)
 
 
 def main() -> None:

@@ -40,14 +40,15 @@ def convert_command(
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary.")] = False,
 ) -> None:
     """Convert a HF safetensors checkpoint into per-rank flat chunks plus a manifest."""
-    from ..loader.convert import convert
+    from ..prep.convert import convert
+    from ..prep.requant_jobs import RequantOptions
 
     with cli_errors(), byte_progress("convert", not (quiet or json_out)) as progress:
+        options = RequantOptions(mode=requant, scope=requant_scope, recipe=requant_recipe, scale_format=scale_format,
+                                 allow_nonfinite=allow_nonfinite, device=device, workers=workers)
         summary = convert(
             src, out, ranks, targets=target or (), preset=preset, layers=layers, layer_pattern=layer_pattern,
-            revision=revision, copy_mode=copy_mode, overwrite=overwrite, requant=requant,
-            requant_scope=requant_scope, requant_recipe=requant_recipe, scale_format=scale_format,
-            allow_nonfinite=allow_nonfinite, device=device, workers=workers, progress=progress,
+            revision=revision, copy_mode=copy_mode, overwrite=overwrite, requant=options, progress=progress,
         )
     if json_out:
         print_json(summary.to_dict())

@@ -17,7 +17,7 @@ def inspect_command(
     json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
 ) -> None:
     """Show each layer's entries, |T| and C, and the totals per rank."""
-    from ..loader.inspect_dir import inspect
+    from ..prep.inspect import inspect
 
     with cli_errors():
         info = inspect(out, num_slots=num_slots)

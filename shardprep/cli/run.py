@@ -2,38 +2,46 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ._errors import cli_errors
+from ._format import human_bytes
+
+if TYPE_CHECKING:
+    from ..runtime.runner import RunReport
 
 
 def run_command(
-    directory: Annotated[Path, typer.Argument(help="Output directory of `shardprep convert`.")],
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="Output directory of `shardprep convert`.")],
     nproc: Annotated[int | None, typer.Option(help="Local ranks to start (default: the manifest's world size). "
                                                    "Leave out under torchrun.")] = None,
-    prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="Prompt; repeatable. Prompt i runs "
-                                                     "on rank i mod N.")] = None,
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", metavar="TEXT",
+                                                     help="Prompt; repeatable. Prompt i runs on rank i mod N.")]
+    = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-k", min=1,
                                                 help="Tokens to generate greedily (causal LMs).")] = 16,
     device: Annotated[str, typer.Option(help="auto, cpu (gloo) or cuda (NCCL, GPU = local rank).")] = "auto",
     backend: Annotated[str, typer.Option(help="Gather backend: auto, ce, nccl, nccl-symm or gloo.")] = "auto",
-    save_outputs: Annotated[Path | None, typer.Option(help="Rank 0 torch.saves the prompt's output: logits "
-                                                      "(causal LMs) or last_hidden_state (encoders).")] = None,
+    save_outputs: Annotated[Path | None, typer.Option(metavar="FILE", help="Rank 0 torch.saves the prompt's "
+                                                      "output: logits (causal LMs) or last_hidden_state.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print token ids, texts and per-rank bytes as JSON.")]
     = False,
 ) -> None:
     """Run prompts on N local ranks from a pre-sharded directory; rank 0 prints the generated text."""
-    from ..run import DEFAULT_PROMPT, RunOptions, is_torchrun_worker, run
+    from ..runtime.runner import DEFAULT_PROMPT, RunOptions, is_torchrun_worker, run
 
     options = RunOptions(directory, tuple(prompt or (DEFAULT_PROMPT,)), max_new_tokens, device, backend,
                          save_outputs, json_out)
     with cli_errors():
-        run(options, nproc)
+        report = run(options, nproc)
+    if report is not None:
+        print_report(report, json_out)
     if is_torchrun_worker():
         # A worker whose job is done leaves without interpreter teardown: destroying torch's gloo process
         # group objects during it raced with their C++ threads ("terminate called without an active
@@ -41,3 +49,26 @@ def run_command(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def print_report(report: RunReport, as_json: bool) -> None:
+    """Rank 0's results: one line per prompt and a memory line, or one JSON document."""
+    if as_json:
+        print(json.dumps(report.to_dict()), flush=True)
+        return
+    for r in report.results:
+        if r.token_ids:
+            print(f"{r.prompt} → {r.text}", flush=True)
+        else:
+            print(f"{r.prompt} → output {r.output_shape}", flush=True)
+    r0 = report.ranks[0]
+    print(f"[{len(report.ranks)} ranks on {r0.device.split(':')[0]}, gather backend {r0.backend}; rank 0 holds "
+          f"{human_bytes(r0.shard_bytes)} of shards, {human_bytes(r0.slot_bytes)} of gather slots and "
+          f"{human_bytes(r0.parameter_bytes)} of replicated parameters]", flush=True)
+
+
+def main() -> None:
+    """`python -m shardprep.run DIR ...` (what torchrun starts): the options of `shardprep run`."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(run_command)
+    app()

@@ -18,7 +18,7 @@ def validate_command(
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable report.")] = False,
 ) -> None:
     """Check a converted directory: schema, layout invariants, file sizes, padding, checksums, coverage."""
-    from ..loader.validate import validate
+    from ..prep.validate import validate
 
     with cli_errors():
         report = validate(out, source=source)

@@ -1,19 +1,8 @@
-"""File I/O in both directions: reading sources, writing rank files, opening one rank's file at startup."""
+"""Startup loading: open one rank's file of an output directory into one device buffer (`open_rank`).
 
-from __future__ import annotations
+>>> from shardprep.loader import open_rank  # doctest: +SKIP
+"""
 
-from typing import Any
+from .rank_shards import RankShards, copy_through_staging, open_rank
 
-# open_rank needs torch; it is imported on first use so that `shardprep --help` stays fast.
-_LAZY = {"open_rank": "rank_shards", "RankShards": "rank_shards"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["RankShards", "open_rank"]
+__all__ = ["RankShards", "copy_through_staging", "open_rank"]

@@ -1,4 +1,7 @@
-"""Pure manifest and layout code: dataclasses, JSON schema, layout math, selection. No file writing, no torch."""
+"""The format, pure: dtypes, layout math, manifest dataclasses + JSON schema + invariants, accounting.
+
+No torch at import (`dtypes.torch_dtype` imports it when called) and nothing that writes files.
+"""
 
 from .accounting import MemoryAccount, account
 from .layout import (

@@ -1,8 +1,17 @@
-"""Safetensors dtype strings and their sizes; the only dtype table in shardprep."""
+"""Safetensors dtype strings: their sizes and their torch dtypes. The only dtype table in shardprep.
+
+torch is imported inside `torch_dtype` alone, so the format package stays importable without torch.
+"""
 
 from __future__ import annotations
 
-from ..errors import SourceError
+from functools import cache
+from typing import TYPE_CHECKING
+
+from ..errors import RuntimeShardError, SourceError
+
+if TYPE_CHECKING:
+    import torch
 
 # Element sizes in bytes, keyed by the dtype strings that safetensors writes in its headers.
 DTYPE_SIZES: dict[str, int] = {
@@ -22,6 +31,26 @@ DTYPE_SIZES: dict[str, int] = {
     "I64": 8,
     "U64": 8,
     "F64": 8,
+}
+
+# safetensors dtype string → name of the torch dtype attribute. Older torch builds lack some of them.
+TORCH_NAMES: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F64": "float64",
 }
 
 
@@ -48,3 +77,22 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...] | list[int], *, tensor: str
     for d in shape:
         n *= d
     return n
+
+
+@cache
+def torch_dtype(dtype: str, *, tensor: str = "?") -> torch.dtype:
+    """The torch dtype of a safetensors dtype string (imports torch).
+
+    >>> torch_dtype("BF16")
+    torch.bfloat16
+    """
+    import torch
+
+    attr = TORCH_NAMES.get(dtype)
+    if attr is None or not hasattr(torch, attr):
+        raise RuntimeShardError(
+            f"tensor {tensor!r} has dtype {dtype!r}, which this torch {torch.__version__} cannot represent; "
+            "upgrade torch"
+        )
+    result: torch.dtype = getattr(torch, attr)
+    return result

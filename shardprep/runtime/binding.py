@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..errors import RuntimeShardError
+from ..manifests.dtypes import torch_dtype
 from ..manifests.manifest import LayerRecord, Manifest
-from .views import torch_dtype
 
 if TYPE_CHECKING:
     from ..loader.rank_shards import RankShards

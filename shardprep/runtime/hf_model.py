@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import RuntimeShardError
+from ..manifests.dtypes import torch_dtype
 from ..manifests.manifest import MANIFEST_NAME
 from .binding import Binding, bind
-from .views import torch_dtype
 
 if TYPE_CHECKING:
     from ..loader.rank_shards import RankShards

@@ -1,7 +1,7 @@
 """Zero-copy views of a gathered layer: a flat uint8 slot seen as the layer's named tensors.
 
-The safetensors dtype string → torch dtype table lives here and only here. Views are built once per
-(layer, slot) when the gatherer is constructed; the per-layer hot path only returns the dict.
+Views are built once per (layer, slot) when the gatherer is constructed; the per-layer hot path only
+returns the dict.
 """
 
 from __future__ import annotations
@@ -9,40 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import RuntimeShardError
+from ..manifests.dtypes import torch_dtype
 from ..manifests.manifest import LayerRecord
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "F32": torch.float32,
-    "I64": torch.int64,
-    "F64": torch.float64,
-}
-# dtypes that older torch builds lack: present in the table only where this torch has them.
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"),
-                     ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu")):
-    if hasattr(torch, _attr):
-        TORCH_DTYPES[_name] = getattr(torch, _attr)
-
-
-def torch_dtype(dtype: str, *, tensor: str = "?") -> torch.dtype:
-    """The torch dtype of a safetensors dtype string.
-
-    >>> torch_dtype("BF16")
-    torch.bfloat16
-    """
-    try:
-        return TORCH_DTYPES[dtype]
-    except KeyError:
-        raise RuntimeShardError(
-            f"tensor {tensor!r} has dtype {dtype!r}, which this torch {torch.__version__} cannot represent; "
-            "upgrade torch"
-        ) from None
 
 
 def layer_views(record: LayerRecord, slot: torch.Tensor) -> dict[str, torch.Tensor]:

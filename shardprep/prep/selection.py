@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import SelectionError
-from .layout import FusedGroup
+from ..manifests.layout import FusedGroup
 
 # `layers.N.`, `layer.N.`, `h.N.` and `blocks.N.` cover Llama/Qwen/DeepSeek, BERT, GPT-2 and ViT-style names.
 DEFAULT_LAYER_PATTERN = r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\."

@@ -11,6 +11,7 @@ from typing import Any
 import xxhash
 
 from ..errors import ManifestError, ShardprepError, SourceError
+from ..manifests.layout import chunk_range
 from ..manifests.manifest import MANIFEST_NAME, Manifest, check_invariants, is_safe_relpath, load_manifest
 from .source import open_source, read_safetensors_header
 
@@ -105,10 +106,11 @@ def _check_rank_files(root: Path, m: Manifest, report: ValidationReport) -> None
                     report.add(f"{rel}: layer {r.layer} chunk checksum mismatch (file corrupt or modified)")
                 report.count("chunks")
                 report.count("bytes", len(chunk))
+                c0, c1 = chunk_range(rank, r.chunk_bytes)
                 for lo, hi in _padding_ranges(r):
-                    a, b = max(lo, rank * r.chunk_bytes), min(hi, (rank + 1) * r.chunk_bytes)
+                    a, b = max(lo, c0), min(hi, c1)
                     if a < b:
-                        piece = chunk[a - rank * r.chunk_bytes:b - rank * r.chunk_bytes]
+                        piece = chunk[a - c0:b - c0]
                         if piece.count(0) != len(piece):
                             report.add(f"{rel}: layer {r.layer} padding bytes [{a}, {b}) of T are not zero")
 
@@ -167,9 +169,10 @@ def _check_against_source(root: Path, m: Manifest, weight_map: dict[str, str], s
         report.add(f"source tensor {name!r} is neither a target nor in {m.replicated_index}")
     for name in sorted((targets | set(weight_map)) - src_names):
         report.add(f"tensor {name!r} is not in the source {source}")
-    from .requant_step import reference_overrides
+    from .requant_jobs import reference_runner
 
-    overrides = reference_overrides(ckpt, m)
+    runner = reference_runner(ckpt, m)
+    overrides = {name: runner.producer(name) for name in runner.plan.specs()} if runner else {}
     fds = [os.open(root / rel, os.O_RDONLY) for rel in m.rank_files]
     try:
         for r in m.layers:
@@ -216,4 +219,4 @@ def _check_replicated_bytes(root: Path, weight_map: dict[str, str], ckpt, overri
 
 def _expected_bytes(ckpt, overrides, name: str) -> bytes:
     """What the output must hold for a source tensor: its recomputed requant, or its source bytes."""
-    return bytes(overrides[name].produce()) if name in overrides else ckpt.read_tensor(name)
+    return bytes(overrides[name]()) if name in overrides else ckpt.read_tensor(name)

@@ -1,0 +1,134 @@
+"""`shardprep convert`: HF safetensors checkpoint in, per-rank flat chunks + manifest + replicated part out.
+
+Three steps: open the source (headers only), make the plan (`plan.py`: every decision, no writes), and
+carry it out (`writer.py`) in a temporary sibling of OUT that is renamed into place only once the
+manifest, written last, is on disk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from ..errors import ShardprepError
+from .output_dir import check_output_dir, staged_directory
+from .plan import ConvertPlan, make_plan
+from .requant_jobs import RequantOptions
+from .selection import DEFAULT_LAYER_PATTERN, DEFAULT_LAYERS, Selection, load_preset, parse_layer_range
+from .source import open_source
+from .writer import Progress, write_plan
+
+SUMMARY_SCHEMA = "shardprep/convert-summary/1"
+
+
+class CopyMode(str, Enum):
+    """How files without targets reach OUT: auto (hard-link when possible, else copy), link, copy."""
+
+    AUTO = "auto"
+    LINK = "link"
+    COPY = "copy"
+
+
+@dataclass
+class ConvertSummary:
+    """What convert wrote (or, with `dry_run`, would write); `--json` prints `to_dict()`."""
+
+    out: str
+    world_size: int
+    layers: list[int]
+    target_tensors: int
+    target_bytes: int
+    sharded_bytes: int
+    rank_file_bytes: int
+    replicated_tensors: int
+    replicated_bytes: int
+    linked_files: list[str]
+    copied_files: list[str]
+    requantized_tensors: int = 0
+    quantization: dict[str, Any] | None = None
+    seconds: float = 0.0
+    dry_run: bool = False
+    plan: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SUMMARY_SCHEMA, **asdict(self)}
+
+
+def convert(
+    src: str | Path,
+    out: str | Path,
+    ranks: int,
+    *,
+    targets: Sequence[str] = (),
+    preset: str | None = None,
+    layers: str = DEFAULT_LAYERS,
+    layer_pattern: str | None = None,
+    revision: str | None = None,
+    copy_mode: CopyMode | str = CopyMode.AUTO,
+    overwrite: bool = False,
+    requant: RequantOptions | None = None,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> ConvertSummary:
+    """Convert a checkpoint into `ranks` per-rank files plus a manifest and the replicated part.
+
+    `requant` holds the block-FP8 options (default: requantize to UE8M0 where needed, the SGLang
+    recipe). With `dry_run` nothing is written: the summary says what would be.
+
+    >>> convert("Qwen/Qwen3-30B-A3B", "out/", ranks=8, preset="qwen3-moe")  # doctest: +SKIP
+    ConvertSummary(out='out/', world_size=8, layers=[1, 2, ...], ...)
+    """
+    t0 = time.perf_counter()
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ShardprepError(f"--ranks must be >= 1, got {ranks}")
+    try:
+        mode = CopyMode(copy_mode)
+    except ValueError:
+        raise ShardprepError(f"--copy-mode {copy_mode!r}: expected one of auto, link, copy") from None
+    out = Path(out)
+    ckpt = open_source(src, revision)
+    if not dry_run:
+        check_output_dir(out, ckpt.root, overwrite)
+    selection = Selection(
+        targets=tuple(targets),
+        preset=load_preset(preset) if preset else None,
+        layers=parse_layer_range(layers),
+        layer_pattern=layer_pattern or DEFAULT_LAYER_PATTERN,
+    )
+    plan = make_plan(ckpt, ranks, selection, requant)
+    if dry_run:
+        return _summary(out, plan, t0, dry_run=True)
+    with staged_directory(out) as tmp:
+        result = write_plan(plan, tmp, mode.value, progress)
+    return _summary(out, plan, t0, linked=result.linked_files, copied=result.copied_files,
+                    replicated_tensors=result.replicated_tensors, replicated_bytes=result.replicated_bytes)
+
+
+def _summary(out: Path, plan: ConvertPlan, t0: float, *, dry_run: bool = False, linked: Sequence[str] = (),
+             copied: Sequence[str] = (), replicated_tensors: int | None = None,
+             replicated_bytes: int | None = None) -> ConvertSummary:
+    if replicated_tensors is None:
+        replicated_tensors = sum(len(plan.source.files[f.name].tensors) if f.tensors is None else len(f.tensors)
+                                 for f in plan.replicated)
+    return ConvertSummary(
+        out=str(out),
+        world_size=plan.world_size,
+        layers=[lay.layer for lay in plan.layouts],
+        target_tensors=sum(len(lay.entries) for lay in plan.layouts),
+        target_bytes=plan.target_bytes,
+        sharded_bytes=plan.sharded_bytes,
+        rank_file_bytes=plan.rank_file_bytes,
+        replicated_tensors=replicated_tensors,
+        replicated_bytes=plan.replicated_bytes if replicated_bytes is None else replicated_bytes,
+        linked_files=list(linked),
+        copied_files=list(copied),
+        requantized_tensors=len(plan.rewritten),
+        quantization=plan.requant.manifest_record if plan.requant else None,
+        seconds=time.perf_counter() - t0,
+        dry_run=dry_run,
+        plan=plan.describe() if dry_run else {},
+    )
