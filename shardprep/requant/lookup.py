@@ -3,9 +3,12 @@
 Within one 128×128 block every element goes through the same function of its 8-bit code (dequantize with
 the block's scale, round to bfloat16 for "sglang", multiply by the new 1/sf, round to fp8), and |value|
 grows with the code's low 7 bits, so the block amax is the value of its largest code. The recipe's
-operations therefore run on the 256 codes of each block, and the block's codes go through that table
-with `bytes.translate`. float32 products and quotients are IEEE round-to-nearest-even in numpy as in
-torch; the bfloat16 and fp8 roundings are done on the bits, round to nearest even, as torch's casts do.
+operations therefore run on the 128 non-negative codes of each block (a negative code is its positive
+twin with the sign bit set, at every step), and the block's codes go through that table. float32 products and quotients
+are IEEE round-to-nearest-even in numpy as in torch; the bfloat16 and fp8 roundings are done on the bits,
+round to nearest even, as torch's casts do. The two per-element loops (each block's largest code, and
+the lookups) run in C (`_block_lookup.c`, built with the package; it releases the GIL) or, where it was
+not built, in numpy and `bytes.translate`, with the same result.
 `tests/test_requant.py` checks the bytes against the elementwise torch path and two references.
 
 Blocks holding a NaN code, or with a non-finite scale or amax, are not handled here (None is returned):
@@ -15,6 +18,11 @@ the torch path reports them or applies `allow_nonfinite`.
 from __future__ import annotations
 
 import numpy as np
+
+try:
+    from . import _block_lookup as compiled  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: the numpy loops below
+    compiled = None
 
 FP8_MAX = np.float32(448.0)
 AMAX_FLOOR = np.float32(1e-4)  # torch's clamp(min=1e-4) on float32 uses this same float32 value
@@ -103,29 +111,56 @@ def e8m0_codes(pow2: np.ndarray) -> np.ndarray:
     return ((np.ascontiguousarray(pow2, dtype=np.float32).view(np.uint32) >> 23) & 0xFF).astype(np.uint8)
 
 
-def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray] | None:
+def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str, out: np.ndarray | None = None,
+                   use_compiled: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
     """Requantize one [rows, cols] matrix of fp8 codes (uint8) with its float32 block scales.
 
-    Returns (uint8 codes of the same shape, float32 power-of-two scales of scale's shape), or None when
-    a block holds a NaN code or a non-finite scale or amax.
+    Returns (uint8 codes of the same shape, in `out` when given, a C-contiguous array; float32
+    power-of-two scales of scale's shape), or None when a block holds a NaN code or a non-finite scale
+    or amax. `use_compiled=False` takes the numpy loops even where the C ones were built (the tests
+    compare the two).
 
     >>> q, sf = requant_matrix(np.full((2, 3), 0x60, np.uint8), np.array([[3.0]], np.float32), "sglang")
     >>> sf.tolist(), int(q[0, 0])  # code 0x60 is 32; 32 * 3 = 96; 96 / 448 → 0.25; 96 / 0.25 = 384 is code 124
     ([[0.25]], 124)
     """
     rows, cols = codes.shape
-    blocks_n, blocks_k = scale.shape
     if not np.isfinite(scale).all():
         return None
-    if (rows, cols) != (blocks_n * BLOCK, blocks_k * BLOCK):
-        padded = np.zeros((blocks_n * BLOCK, blocks_k * BLOCK), dtype=np.uint8)  # code 0 is +0.0
-        padded[:rows, :cols] = codes
-        codes = padded
-    blocks = np.ascontiguousarray(
-        codes.reshape(blocks_n, BLOCK, blocks_k, BLOCK).transpose(0, 2, 1, 3)).reshape(blocks_n, blocks_k, -1)
-    top = (blocks & np.uint8(0x7F)).max(axis=2)
+    codes = np.ascontiguousarray(codes)
+    kernel = compiled if use_compiled else None
+    top = np.empty(scale.shape, dtype=np.uint8)
+    if kernel is not None:
+        kernel.block_top(codes, rows, cols, top)
+    else:
+        _block_top(codes, top)
     if (top == 0x7F).any():
         return None
+    tables = block_tables(top, scale, recipe)
+    if tables is None:
+        return None
+    table, sf = tables
+    q = np.empty_like(codes) if out is None else out
+    if kernel is not None:
+        kernel.apply_tables(codes, rows, cols, table, q)
+    else:
+        _apply_tables(codes, table, q)
+    return q, sf
+
+
+def block_tables(top: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each block's new scale and its table of new codes, from the block's largest code and its scale.
+
+    `top` [bn, bk] uint8 (largest code & 0x7F), `scale` [bn, bk] float32 → (tables [bn, bk, 128] uint8,
+    sf [bn, bk] float32), or None when a dequantized amax is not finite. `table[c]` is the new code of
+    code c ≤ 0x7F; code c | 0x80 (its negative) becomes `table[c] | 0x80`: every step of the recipe is
+    symmetric, round to nearest even included. Only the entries up to each block's top are meaningful;
+    the others are never looked up.
+
+    >>> table, sf = block_tables(np.array([[0x60]], np.uint8), np.array([[3.0]], np.float32), "sglang")
+    >>> sf.tolist(), int(table[0, 0, 0x60])
+    ([[0.25]], 124)
+    """
     with np.errstate(over="ignore", invalid="ignore"):
         x_top = E4M3_VALUES[top] * scale
         if recipe == "sglang":
@@ -133,23 +168,35 @@ def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[n
         if not np.isfinite(x_top).all():
             return None
         sf = pow2_ceil(np.maximum(x_top, AMAX_FLOOR) / FP8_MAX)
-        table = E4M3_VALUES[None, None, :] * scale[:, :, None]
+        table = E4M3_VALUES[None, None, :128] * scale[:, :, None]
         if recipe == "sglang":
             table = round_to_bfloat16(table)
-        table = encode_e4m3(table * (np.float32(1.0) / sf)[:, :, None])
-    out = np.empty_like(blocks)
-    src, dst = memoryview(blocks).cast("B"), memoryview(out).cast("B")
-    tables = table.reshape(-1, 256)
-    size = blocks.shape[2]
-    for b in range(tables.shape[0]):
-        # bytes.translate maps a 16 KB block through its table at memcpy-like speed, releasing the GIL.
-        dst[b * size:(b + 1) * size] = src[b * size:(b + 1) * size].tobytes().translate(tables[b].tobytes())
-    q = out.reshape(blocks_n, blocks_k, BLOCK, BLOCK).transpose(0, 2, 1, 3).reshape(codes.shape)
-    return q[:rows, :cols], sf
+        return encode_e4m3(table * (np.float32(1.0) / sf)[:, :, None]), sf
+
+
+def _block_top(codes: np.ndarray, top: np.ndarray) -> None:
+    magnitudes = codes & np.uint8(0x7F)
+    starts = np.arange(0, codes.shape[1], BLOCK)
+    for i in range(top.shape[0]):
+        column_max = magnitudes[i * BLOCK:(i + 1) * BLOCK].max(axis=0)
+        top[i] = np.maximum.reduceat(column_max, starts)
+
+
+def _apply_tables(codes: np.ndarray, positive: np.ndarray, out: np.ndarray) -> None:
+    table = np.concatenate([positive, positive | np.uint8(0x80)], axis=-1)  # bytes.translate wants all 256
+    for i in range(table.shape[0]):
+        rows = slice(i * BLOCK, (i + 1) * BLOCK)
+        for j in range(table.shape[1]):
+            cols = slice(j * BLOCK, (j + 1) * BLOCK)
+            block = codes[rows, cols]
+            # bytes.translate maps the block through its table at memcpy-like speed (holding the GIL).
+            out[rows, cols] = np.frombuffer(block.tobytes().translate(table[i, j].tobytes()),
+                                            np.uint8).reshape(block.shape)
 
 
 def requant_codes(
-    codes: np.ndarray, scale: np.ndarray, recipe: str, chunk_elements: int = CHUNK_ELEMENTS
+    codes: np.ndarray, scale: np.ndarray, recipe: str, chunk_elements: int = CHUNK_ELEMENTS,
+    use_compiled: bool = True,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Requantize fp8 codes [..., N, K] (uint8) with float32 scales [..., ceil(N/128), ceil(K/128)].
 
@@ -169,12 +216,15 @@ def requant_codes(
     matrices, scales = codes.reshape(-1, n, k), scale.reshape(-1, blocks_n, blocks_k)
     q, sf = np.empty_like(matrices), np.empty_like(scales)
     rows_per_pass = BLOCK * max(1, chunk_elements // (BLOCK * BLOCK * blocks_k))
+    if compiled is not None and use_compiled:
+        rows_per_pass = n  # the C loops copy nothing: only the tables (1/64 of the codes) grow with a pass
     for e in range(matrices.shape[0]):
         for row0 in range(0, n, rows_per_pass):
             row1 = min(n, row0 + rows_per_pass)
             stripes = slice(row0 // BLOCK, -(-row1 // BLOCK))
-            result = requant_matrix(matrices[e, row0:row1], scales[e, stripes], recipe)
+            result = requant_matrix(matrices[e, row0:row1], scales[e, stripes], recipe, out=q[e, row0:row1],
+                                    use_compiled=use_compiled)
             if result is None:
                 return None
-            q[e, row0:row1], sf[e, stripes] = result
+            sf[e, stripes] = result[1]
     return q.reshape(codes.shape), sf.reshape(scale.shape)
