@@ -1,17 +1,28 @@
-"""Streaming safetensors writer: tensors are copied file-to-file by byte range, never loaded whole."""
+"""Streaming safetensors writer: tensors are copied file-to-file by byte range, never loaded whole.
+
+Tensors that lie next to each other in the same source file are copied in one `copy_file_range` run,
+so a file that keeps most of its tensors costs a few large kernel copies, as `cp` would.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..manifests.dtypes import tensor_nbytes
+from .file_ranges import copy_range, pwrite_all
 
-COPY_BLOCK = 16 << 20
+if TYPE_CHECKING:
+    from .writeback import Writeback
+
+# Large enough that a copy costs one system call per tens of MB, small enough that the disk starts
+# writing the first piece while the next is copied.
+COPY_PIECE = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -30,7 +41,7 @@ class OutTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    data: FileRange | bytes | Callable[[], bytes]
+    data: FileRange | bytes | Callable[[], Any]
 
     @property
     def nbytes(self) -> int:
@@ -42,8 +53,12 @@ def write_safetensors(
     tensors: Sequence[OutTensor],
     metadata: dict[str, str] | None = None,
     progress: Callable[[int], None] | None = None,
+    writeback: Writeback | None = None,
 ) -> int:
     """Write a standard safetensors file; returns its data size (the sum of tensor bytes).
+
+    In-memory data may be bytes or any buffer (a numpy array); a callable is called when its turn
+    comes. With `writeback`, the disk write of each finished piece starts at once.
 
     >>> write_safetensors("x.safetensors", [OutTensor("a", "F32", (1,), b"\\0\\0\\x80?")])  # doctest: +SKIP
     4
@@ -57,43 +72,58 @@ def write_safetensors(
         at += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header so the data starts 8-byte aligned
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(raw)))
-        out.write(raw)
-        for t in tensors:
-            data = t.data() if callable(t.data) else t.data
+    head = struct.pack("<Q", len(raw)) + raw
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    sources: dict[Path, int] = {}
+    try:
+        pwrite_all(fd, head, 0)
+        pos = started = len(head)
+        for data, nbytes in _runs(tensors):
             if isinstance(data, FileRange):
-                copy_range(data, out)
+                if data.path not in sources:
+                    sources[data.path] = os.open(data.path, os.O_RDONLY)
+                for piece in range(0, nbytes, COPY_PIECE):
+                    n = min(COPY_PIECE, nbytes - piece)
+                    copy_range(sources[data.path], data.start + piece, fd, pos + piece, n, data.path)
+                    if writeback is not None:
+                        writeback.start(path, started, pos + piece + n - started)
+                        started = pos + piece + n
             else:
-                if len(data) != t.nbytes:
-                    raise ValueError(f"tensor {t.name!r}: {len(data)} bytes given for {t.dtype}{list(t.shape)}")
-                out.write(data)
+                pwrite_all(fd, data, pos)
+                if writeback is not None and pos + nbytes - started >= COPY_PIECE:
+                    writeback.start(path, started, pos + nbytes - started)
+                    started = pos + nbytes
+            pos += nbytes
             if progress:
-                progress(t.nbytes)
+                progress(nbytes)
+        if writeback is not None:
+            writeback.start(path, started, pos - started)  # the tail, and the file for the final fsync
+    finally:
+        for src in sources.values():
+            os.close(src)
+        os.close(fd)
     return at
 
 
-def copy_range(src: FileRange, out) -> None:
-    """Copy a byte range into an open file at its current position, in the kernel where possible."""
-    out.flush()
-    with open(src.path, "rb") as f:
-        left, pos = src.nbytes, src.start
-        dst_pos = out.tell()
-        try:
-            while left:
-                n = os.copy_file_range(f.fileno(), out.fileno(), left, pos, dst_pos)
-                if n == 0:
-                    raise OSError(f"{src.path}: unexpected end of file")
-                left, pos, dst_pos = left - n, pos + n, dst_pos + n
-            out.seek(dst_pos)
-            return
-        except (AttributeError, OSError) as exc:
-            if left != src.nbytes or isinstance(exc, OSError) and "unexpected end" in str(exc):
-                raise
-        f.seek(pos)
-        while left:
-            block = f.read(min(COPY_BLOCK, left))
-            if not block:
-                raise OSError(f"{src.path}: unexpected end of file")
-            out.write(block)
-            left -= len(block)
+def _runs(tensors: Sequence[OutTensor]) -> Iterator[tuple[FileRange | memoryview, int]]:
+    """The tensors' data in order, adjacent ranges of one file merged into one; callables called in turn."""
+    run: FileRange | None = None
+    for t in tensors:
+        data = t.data() if callable(t.data) else t.data
+        if isinstance(data, FileRange):
+            if run is not None and run.path == data.path and run.start + run.nbytes == data.start:
+                run = FileRange(run.path, run.start, run.nbytes + data.nbytes)
+                continue
+            if run is not None:
+                yield run, run.nbytes
+            run = data
+            continue
+        if run is not None:
+            yield run, run.nbytes
+            run = None
+        view = memoryview(data).cast("B")
+        if len(view) != t.nbytes:
+            raise ValueError(f"tensor {t.name!r}: {len(view)} bytes given for {t.dtype}{list(t.shape)}")
+        yield view, t.nbytes
+    if run is not None:
+        yield run, run.nbytes

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,10 +24,16 @@ from .._version import __version__
 from ..errors import OutputError
 from ..manifests.layout import chunk_range
 from ..manifests.manifest import MANIFEST_NAME, REPLICATED_INDEX, LayerRecord, Manifest, rank_file_name
-from .plan import ConvertPlan
+from .file_ranges import pwrite_all
+from .plan import ConvertPlan, ReplicatedFile
 from .requant_jobs import RequantRunner
 from .safetensors_writer import FileRange, OutTensor, write_safetensors
 from .source import pread_exact
+from .writeback import Writeback
+
+# Threads copying replicated files while the rank files are written. Each copy runs in the kernel
+# (copy_file_range), so one thread per core keeps every core copying; more would only queue on the disk.
+COPY_THREADS = min(4, os.cpu_count() or 1)
 
 Progress = Callable[[int, int], None]
 """progress(bytes_done, bytes_total), called as work advances."""
@@ -45,13 +53,15 @@ class WriteResult:
 class _Tracker:
     def __init__(self, total: int, progress: Progress | None):
         self.total, self.done, self.progress = total, 0, progress
+        self._lock = threading.Lock()  # the rank-file writer and the copy threads both report
         if progress:
             progress(0, total)
 
     def __call__(self, n: int) -> None:
-        self.done += n
-        if self.progress:
-            self.progress(self.done, self.total)
+        with self._lock:
+            self.done += n
+            if self.progress:
+                self.progress(self.done, self.total)
 
 
 def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
@@ -62,10 +72,25 @@ def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
     """
     tracker = _Tracker(plan.target_bytes + plan.rewritten_bytes, progress)
     runner = RequantRunner(plan.requant, plan.write_order()) if plan.requant else None
-    with runner or nullcontext():
+    with Writeback() as writeback, runner or nullcontext(), ThreadPoolExecutor(COPY_THREADS) as pool:
         producers = {name: runner.producer(name) for name in plan.rewritten} if runner else {}
-        records = _write_rank_files(directory, plan, producers, tracker)
-        linked, copied, rep_tensors, rep_bytes = _write_replicated(directory, plan, producers, copy_mode, tracker)
+        replicated = _ReplicatedWriter(directory, plan, producers, copy_mode, tracker, writeback)
+        try:
+            # Files that take no requantized tensor are copied by the pool while this thread writes the
+            # rank files; the others follow the rank files on this thread, in the order the requant
+            # runner computes their tensors.
+            early = {f.name: pool.submit(replicated.write, f) for f in plan.replicated
+                     if not replicated.takes_producers(f)}
+            records = _write_rank_files(directory, plan, producers, tracker, writeback)
+            late = {f.name: _done(replicated.write(f)) for f in plan.replicated if f.name not in early}
+            results = {name: future.result() for name, future in {**early, **late}.items()}
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        linked, copied, rep_tensors, rep_bytes = replicated.write_index(results)
+        try:
+            writeback.finish()
+        except OSError as exc:
+            raise OutputError(f"{directory.parent}: writing the output to disk failed ({exc.strerror})") from None
     _copy_other_files(directory, plan)
     manifest = replace(plan.skeleton_manifest(), layers=tuple(records), created_by=f"shardprep {__version__}")
     Manifest.from_dict(manifest.to_dict())  # the same checks a reader will run, before anything is visible
@@ -74,13 +99,13 @@ def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
 
 
 def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, Callable[[], Any]],
-                      tracker: _Tracker) -> list[LayerRecord]:
+                      tracker: _Tracker, writeback: Writeback) -> list[LayerRecord]:
     ckpt, ranks = plan.source, plan.world_size
     (directory / "shards").mkdir()
     buf = memoryview(bytearray(max(lay.total_bytes for lay in plan.layouts)))
     src_fds: dict[str, int] = {}
-    rank_fds = [os.open(directory / rank_file_name(r, ranks), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                for r in range(ranks)]
+    rank_paths = [directory / rank_file_name(r, ranks) for r in range(ranks)]
+    rank_fds = [os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644) for path in rank_paths]
     records = []
     try:
         for lay, file_offset in zip(plan.layouts, plan.file_offsets):
@@ -105,10 +130,10 @@ def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, C
                 chunk = flat[lo:hi]
                 sums.append(xxhash.xxh3_128_hexdigest(chunk))
                 pwrite_all(fd, chunk, file_offset)
+                writeback.start(rank_paths[r], file_offset, len(chunk))  # fsynced in write_plan, with the rest
             records.append(LayerRecord.from_layout(lay, file_offset, tuple(sums)))
         for fd in rank_fds:
             os.ftruncate(fd, plan.rank_file_bytes)
-            os.fsync(fd)
     except OSError as exc:
         raise OutputError(f"{directory.parent}: writing rank files failed ({exc.strerror or exc})") from None
     finally:
@@ -117,44 +142,66 @@ def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, C
     return records
 
 
-def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of `data` at `offset` (pwrite until done)."""
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
 
 
-def _write_replicated(directory: Path, plan: ConvertPlan, producers: dict[str, Callable[[], Any]],
-                      copy_mode: str, tracker: _Tracker) -> tuple[list[str], list[str], int, int]:
-    ckpt = plan.source
-    weight_map: dict[str, str] = {}
-    linked, copied = [], []
-    for f in plan.replicated:
-        sf = ckpt.files[f.name]
-        dest = directory / f.name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if f.tensors is None:
-            (linked if _link_or_copy(sf.path, dest, copy_mode) else copied).append(f.name)
-            kept = sf.tensors
-        else:
-            if not f.tensors:
-                continue  # every tensor of this file became a target: drop the file
+class _ReplicatedWriter:
+    """Writes the replicated part, one file per call (from any thread), then its index."""
+
+    def __init__(self, directory: Path, plan: ConvertPlan, producers: dict[str, Callable[[], Any]], copy_mode: str,
+                 tracker: _Tracker, writeback: Writeback):
+        self.directory, self.plan, self.producers = directory, plan, producers
+        self.copy_mode, self.tracker, self.writeback = copy_mode, tracker, writeback
+
+    def takes_producers(self, f: ReplicatedFile) -> bool:
+        return bool(f.tensors) and any(t.name in self.producers for t in f.tensors or ())
+
+    def write(self, f: ReplicatedFile) -> tuple[bool, list[str]] | None:
+        """Link, copy or rewrite one file: (linked, the tensors it keeps), or None when it is dropped."""
+        sf = self.plan.source.files[f.name]
+        dest = self.directory / f.name
+        if f.tensors is not None and not f.tensors:
+            return None  # every tensor of this file became a target: drop the file
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if f.tensors is None:
+                linked = _link_or_copy(sf.path, dest, self.copy_mode)
+                if not linked:
+                    self.writeback.start(dest, 0, sf.size)
+                return linked, sf.tensors
             out = []
             for t in f.tensors:
-                if t.name in producers:
-                    out.append(OutTensor(t.name, t.dtype, t.shape, producers[t.name]))
+                if t.name in self.producers:
+                    out.append(OutTensor(t.name, t.dtype, t.shape, self.producers[t.name]))
                 else:
-                    st = ckpt.tensors[t.name]
+                    st = self.plan.source.tensors[t.name]
                     out.append(OutTensor(t.name, t.dtype, t.shape, FileRange(sf.path, st.start, st.nbytes)))
-            write_safetensors(dest, out, sf.metadata, progress=tracker)
-            copied.append(f.name)
-            kept = [t.name for t in f.tensors]
-        for t in kept:
-            weight_map[t] = f.name
-    total = sum(ckpt.tensors[t].nbytes for t in weight_map)
-    index = {"metadata": {**ckpt.index_metadata, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_atomically(directory / REPLICATED_INDEX, json.dumps(index, indent=2) + "\n")
-    return linked, copied, len(weight_map), total
+            write_safetensors(dest, out, sf.metadata, progress=self.tracker, writeback=self.writeback)
+        except OSError as exc:
+            raise OutputError(f"{dest}: writing failed ({exc.strerror or exc})") from None
+        return False, [t.name for t in f.tensors]
+
+    def write_index(self, results: dict[str, tuple[bool, list[str]] | None]) -> tuple[list[str], list[str], int, int]:
+        """The replicated index, from every file's result: (linked files, copied files, tensors, bytes)."""
+        ckpt = self.plan.source
+        weight_map: dict[str, str] = {}
+        linked: list[str] = []
+        copied: list[str] = []
+        for f in self.plan.replicated:
+            result = results[f.name]
+            if result is None:
+                continue
+            (linked if result[0] else copied).append(f.name)
+            for t in result[1]:
+                weight_map[t] = f.name
+        total = sum(ckpt.tensors[t].nbytes for t in weight_map)
+        index = {"metadata": {**ckpt.index_metadata, "total_size": total},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        write_atomically(self.directory / REPLICATED_INDEX, json.dumps(index, indent=2) + "\n")
+        return linked, copied, len(weight_map), total
 
 
 def _link_or_copy(src: Path, dest: Path, mode: str) -> bool:
