@@ -1,9 +1,7 @@
-"""The compiled requant loops (shardprep/requant/_block_lookup.c) give the bytes of the numpy loops and of
-the elementwise torch recipe: on random blocks, on every fp8 code, and on the scale edge cases."""
+"""The compiled requant (shardprep/requant/_block_requant.c) gives the bytes of the numpy code and of the
+elementwise torch recipe: on random blocks, on every fp8 code, and on the scale edge cases."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ from shardprep.requant import lookup, requant_ue8m0
 from shardprep.requant import ue8m0 as ue8m0_module
 
 compiled = lookup.compiled
-needs_compiled = pytest.mark.skipif(compiled is None, reason="the C loops are not built "
+needs_compiled = pytest.mark.skipif(compiled is None, reason="the compiled requant is not built "
                                     "(pip install -e . or python setup.py build_ext --inplace)")
 
 
@@ -76,6 +74,7 @@ def edge_scales() -> list[float]:
         2.0**-126, 1e-38, 1e-45,  # float32 subnormal scales and products
         2.0**100, 3.0e38 / 448,  # the largest finite dequantized values
         float(np.float32(0.1)), float(np.float32(7.0)),
+        -1.0, -0.3, -2.0**-126, 0.0, -0.0,  # negative and zero scales: the sign mirror is an exclusive or
     ]
 
 
@@ -107,45 +106,58 @@ def test_zero_negative_and_subnormal_only_blocks_give_the_same_bytes(recipe, mon
 @pytest.mark.parametrize("cols", [1, 31, 32, 33, 127, 128, 129, 200, 293])
 @pytest.mark.parametrize("rows", [1, 128, 130])
 def test_avx2_and_scalar_lookups_agree_on_partial_blocks(rows, cols):
-    rng = np.random.default_rng(rows * 1000 + cols)
-    codes = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
-    tables = rng.integers(0, 128, (math.ceil(rows / 128), math.ceil(cols / 128), 128), dtype=np.uint8)
-    wide, narrow = np.empty_like(codes), np.empty_like(codes)
-    compiled.apply_tables(codes, rows, cols, tables, wide)
-    compiled.apply_tables_scalar(codes, rows, cols, tables, narrow)
-    row_block, col_block = np.arange(rows)[:, None] // 128, np.arange(cols)[None, :] // 128
-    expected = tables[row_block, col_block, codes & 0x7F] | (codes & 0x80)
-    assert np.array_equal(wide, expected) and np.array_equal(narrow, expected)
+    weight, scale = random_block_fp8((rows, cols), seed=rows * 1000 + cols)
+    codes, scales = weight.view(torch.uint8).numpy(), scale.numpy()
+    results = []
+    for avx2 in (True, False):
+        q, sf = np.empty_like(codes), np.empty_like(scales)
+        assert compiled.requant_matrix(codes, rows, cols, scales, True, q, sf, avx2)
+        results.append((q, sf))
+    plain = lookup.requant_codes(codes, scales, "sglang", use_compiled=False)
+    for q, sf in results:
+        assert np.array_equal(q, plain[0]) and np.array_equal(sf, plain[1])
 
 
 @needs_compiled
-def test_block_top_is_the_largest_magnitude_code_of_each_block():
-    rng = np.random.default_rng(2)
-    codes = rng.integers(0, 256, (300, 259), dtype=np.uint8)
-    top = np.empty((3, 3), np.uint8)
-    compiled.block_top(codes, 300, 259, top)
-    padded = np.zeros((384, 384), np.uint8)
-    padded[:300, :259] = codes & 0x7F
-    assert np.array_equal(top, padded.reshape(3, 128, 3, 128).max(axis=(1, 3)))
+def test_compiled_tables_equal_numpy_tables_for_every_code_and_many_scales():
+    # Every code up to 0x7E through the block table of 200k random float32 scales (any exponent, any
+    # mantissa, both signs), both recipes: the C arithmetic against the numpy arithmetic, entry by entry.
+    rng = np.random.default_rng(4)
+    bits = rng.integers(0, 0xFF000000, 200_000, dtype=np.uint64).astype(np.uint32)
+    scales = bits.view(np.float32)
+    scales = scales[np.isfinite(scales) & (np.abs(scales) < 1e36)].reshape(-1, 1)
+    codes = np.resize(np.arange(0x7F, dtype=np.uint8), (128, 128))
+    codes[0, 0] = 0x7E  # every block's top is 0x7E: every entry of its table is used
+    for recipe in ("sglang", "fp32"):
+        for scale in np.array_split(scales, 20):
+            matrix = np.tile(codes, (1, len(scale)))
+            row = scale.reshape(1, -1)
+            fast = lookup.requant_codes(matrix, row, recipe)
+            plain = lookup.requant_codes(matrix, row, recipe, use_compiled=False)
+            assert (fast is None) == (plain is None)
+            if fast is not None:
+                assert np.array_equal(fast[0], plain[0]) and np.array_equal(fast[1].view(np.uint32),
+                                                                          plain[1].view(np.uint32))
 
 
 @needs_compiled
-def test_the_compiled_loops_refuse_buffers_of_the_wrong_size():
-    codes = np.zeros((128, 128), np.uint8)
-    with pytest.raises(ValueError, match="tables"):
-        compiled.apply_tables(codes, 128, 128, np.zeros(127, np.uint8), np.empty_like(codes))
-    with pytest.raises(ValueError, match="out"):
-        compiled.apply_tables(codes, 128, 128, np.zeros(128, np.uint8), np.empty(10, np.uint8))
-    with pytest.raises(ValueError, match="codes"):
-        compiled.block_top(codes, 129, 128, np.zeros(1, np.uint8))
+def test_the_compiled_requant_refuses_buffers_of_the_wrong_size():
+    codes, scale = np.zeros((128, 128), np.uint8), np.ones((1, 1), np.float32)
+    q, sf = np.empty_like(codes), np.empty_like(scale)
+    with pytest.raises(ValueError, match="codes and q"):
+        compiled.requant_matrix(codes, 129, 128, scale, True, q, sf)
+    with pytest.raises(ValueError, match="codes and q"):
+        compiled.requant_matrix(codes, 128, 128, scale, True, np.empty(10, np.uint8), sf)
+    with pytest.raises(ValueError, match="scale and sf"):
+        compiled.requant_matrix(codes, 128, 128, np.ones(2, np.float32), True, q, sf)
     with pytest.raises(ValueError, match="contiguous"):  # a strided view is not one run of bytes
-        compiled.block_top(np.zeros((128, 256), np.uint8)[:, ::2], 128, 128, np.zeros(1, np.uint8))
+        compiled.requant_matrix(np.zeros((128, 256), np.uint8)[:, ::2], 128, 128, scale, True, q, sf)
 
 
 @pytest.mark.parametrize("use_compiled", [True, False])
 def test_nan_codes_and_nonfinite_scales_are_left_to_the_torch_path(use_compiled):
     if use_compiled and compiled is None:
-        pytest.skip("the C loops are not built")
+        pytest.skip("the compiled requant is not built")
     codes = np.zeros((128, 256), np.uint8)
     scale = np.ones((1, 2), np.float32)
     codes[5, 200] = 0xFF  # a NaN code
@@ -159,18 +171,14 @@ def test_nan_codes_and_nonfinite_scales_are_left_to_the_torch_path(use_compiled)
 
 
 @needs_compiled
-def test_convert_path_uses_the_compiled_loops(monkeypatch):
+def test_requant_ue8m0_on_the_cpu_uses_the_compiled_requant(monkeypatch):
     calls = []
-    real = compiled.apply_tables
 
     class Spy:
-        def __getattr__(self, name):
-            return getattr(compiled, name)
-
         @staticmethod
-        def apply_tables(*args):
+        def requant_matrix(*args):
             calls.append(args[1:3])
-            return real(*args)
+            return compiled.requant_matrix(*args)
 
     monkeypatch.setattr(lookup, "compiled", Spy())
     weight, scale = random_block_fp8((256, 384), seed=1)

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 WINDOW_BYTES = 64 << 20
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
+# Smaller weights are read: a mapping costs more system calls than a copy of a few hundred KiB.
+MAP_MIN_BYTES = 1 << 20
 
 
 class RequantMode(str, Enum):
@@ -125,7 +127,8 @@ def run_job(job: RequantJob) -> tuple[np.ndarray, np.ndarray]:
 
     w, s = job.weight, job.scale
     if job.device == "cpu" and w.dtype == "F8_E4M3" and s.dtype == "F32":
-        codes = map_array(w, job.weight_path).reshape(w.shape)
+        read = map_array if w.nbytes >= MAP_MIN_BYTES else read_array
+        codes = read(w, job.weight_path, np.uint8).reshape(w.shape)
         scale = read_array(s, job.scale_path, np.float32).reshape(s.shape)
         fast = requant_codes(codes, scale, job.recipe)
         del codes  # unmaps the weight
@@ -143,15 +146,15 @@ def read_array(t: SourceTensor, path: str, dtype: Any) -> np.ndarray:
 
     raw = np.empty(t.nbytes, dtype=np.uint8)
     with open(path, "rb") as f:
-        pread_exact(f.fileno(), memoryview(raw), t.start, path)
+        pread_exact(f.fileno(), raw.data, t.start, path)
     return raw.view(dtype)
 
 
-def map_array(t: SourceTensor, path: str) -> np.ndarray:
-    """A tensor's bytes as a flat read-only uint8 array over the source file's pages, not a copy of them.
+def map_array(t: SourceTensor, path: str, dtype: Any) -> np.ndarray:
+    """A tensor's bytes as a flat read-only array over the source file's pages, not a copy of them.
 
-    The weight is read in place from the page cache (a copy costs as much as the lookups themselves);
-    the mapping goes away with the last reference to the array.
+    The weight is read in place from the page cache (a copy costs about as much as the lookups
+    themselves); the mapping goes away with the last reference to the array.
     """
     import numpy as np
 
@@ -160,11 +163,11 @@ def map_array(t: SourceTensor, path: str) -> np.ndarray:
         if os.fstat(f.fileno()).st_size < t.start + t.nbytes:
             raise SourceError(f"{path}: truncated (tensor {t.name!r} ends at byte {t.start + t.nbytes})")
         if t.nbytes == 0:
-            return np.empty(0, dtype=np.uint8)
+            return np.empty(0, dtype=dtype)
         # MAP_POPULATE maps every page at once instead of one fault per 64 KiB.
         pages = mmap.mmap(f.fileno(), t.start + t.nbytes - start, flags=mmap.MAP_SHARED | _MAP_POPULATE,
                           prot=mmap.PROT_READ, offset=start)
-    return np.frombuffer(pages, dtype=np.uint8, count=t.nbytes, offset=t.start - start)
+    return np.frombuffer(pages, dtype=dtype, count=t.nbytes // np.dtype(dtype).itemsize, offset=t.start - start)
 
 
 def _run_job_torch(job: RequantJob) -> tuple[np.ndarray, np.ndarray]:

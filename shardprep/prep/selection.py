@@ -7,6 +7,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
@@ -64,8 +65,9 @@ class TargetPlan:
     layers: dict[int, list[str]]
     groups: dict[int, list[FusedGroup]]
 
-    @property
+    @cached_property
     def names(self) -> set[str]:
+        """Every target's name (computed once: callers test membership once per tensor of the checkpoint)."""
         return {n for names in self.layers.values() for n in names}
 
 

@@ -6,9 +6,9 @@ grows with the code's low 7 bits, so the block amax is the value of its largest 
 operations therefore run on the 128 non-negative codes of each block (a negative code is its positive
 twin with the sign bit set, at every step), and the block's codes go through that table. float32 products and quotients
 are IEEE round-to-nearest-even in numpy as in torch; the bfloat16 and fp8 roundings are done on the bits,
-round to nearest even, as torch's casts do. The two per-element loops (each block's largest code, and
-the lookups) run in C (`_block_lookup.c`, built with the package; it releases the GIL) or, where it was
-not built, in numpy and `bytes.translate`, with the same result.
+round to nearest even, as torch's casts do. The same recipe, compiled (`_block_requant.c`, built with
+the package; it releases the GIL), does the whole matrix in one call where it was built; without it,
+numpy and `bytes.translate` give the same bytes.
 `tests/test_requant.py` checks the bytes against the elementwise torch path and two references.
 
 Blocks holding a NaN code, or with a non-finite scale or amax, are not handled here (None is returned):
@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from . import _block_lookup as compiled  # type: ignore[attr-defined]
-except ImportError:  # built without a C compiler: the numpy loops below
+    from . import _block_requant as compiled  # type: ignore[attr-defined,unused-ignore]
+except ImportError:  # built without a C compiler: the numpy code below
     compiled = None
 
 FP8_MAX = np.float32(448.0)
@@ -117,35 +117,32 @@ def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str, out: np.nd
 
     Returns (uint8 codes of the same shape, in `out` when given, a C-contiguous array; float32
     power-of-two scales of scale's shape), or None when a block holds a NaN code or a non-finite scale
-    or amax. `use_compiled=False` takes the numpy loops even where the C ones were built (the tests
-    compare the two).
+    or amax. `use_compiled=False` takes the numpy code even where the C one was built (the tests compare
+    the two).
 
     >>> q, sf = requant_matrix(np.full((2, 3), 0x60, np.uint8), np.array([[3.0]], np.float32), "sglang")
     >>> sf.tolist(), int(q[0, 0])  # code 0x60 is 32; 32 * 3 = 96; 96 / 448 → 0.25; 96 / 0.25 = 384 is code 124
     ([[0.25]], 124)
     """
     rows, cols = codes.shape
+    codes = np.ascontiguousarray(codes)
+    q = np.empty_like(codes) if out is None else out
+    if compiled is not None and use_compiled:
+        sf = np.empty(scale.shape, dtype=np.float32)
+        done = compiled.requant_matrix(codes, rows, cols, np.ascontiguousarray(scale, dtype=np.float32),
+                                       recipe == "sglang", q, sf)
+        return (q, sf) if done else None
     if not np.isfinite(scale).all():
         return None
-    codes = np.ascontiguousarray(codes)
-    kernel = compiled if use_compiled else None
     top = np.empty(scale.shape, dtype=np.uint8)
-    if kernel is not None:
-        kernel.block_top(codes, rows, cols, top)
-    else:
-        _block_top(codes, top)
+    _block_top(codes, top)
     if (top == 0x7F).any():
         return None
     tables = block_tables(top, scale, recipe)
     if tables is None:
         return None
-    table, sf = tables
-    q = np.empty_like(codes) if out is None else out
-    if kernel is not None:
-        kernel.apply_tables(codes, rows, cols, table, q)
-    else:
-        _apply_tables(codes, table, q)
-    return q, sf
+    _apply_tables(codes, tables[0], q)
+    return q, tables[1]
 
 
 def block_tables(top: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -153,7 +150,7 @@ def block_tables(top: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[np.nd
 
     `top` [bn, bk] uint8 (largest code & 0x7F), `scale` [bn, bk] float32 → (tables [bn, bk, 128] uint8,
     sf [bn, bk] float32), or None when a dequantized amax is not finite. `table[c]` is the new code of
-    code c ≤ 0x7F; code c | 0x80 (its negative) becomes `table[c] | 0x80`: every step of the recipe is
+    code c ≤ 0x7F; code c | 0x80 (its negative) becomes `table[c] ^ 0x80`: every step of the recipe is
     symmetric, round to nearest even included. Only the entries up to each block's top are meaningful;
     the others are never looked up.
 
@@ -162,7 +159,7 @@ def block_tables(top: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[np.nd
     ([[0.25]], 124)
     """
     with np.errstate(over="ignore", invalid="ignore"):
-        x_top = E4M3_VALUES[top] * scale
+        x_top = E4M3_VALUES[top] * np.abs(scale)  # |code value · scale|: a scale may be negative
         if recipe == "sglang":
             x_top = round_to_bfloat16(x_top)
         if not np.isfinite(x_top).all():
@@ -183,7 +180,7 @@ def _block_top(codes: np.ndarray, top: np.ndarray) -> None:
 
 
 def _apply_tables(codes: np.ndarray, positive: np.ndarray, out: np.ndarray) -> None:
-    table = np.concatenate([positive, positive | np.uint8(0x80)], axis=-1)  # bytes.translate wants all 256
+    table = np.concatenate([positive, positive ^ np.uint8(0x80)], axis=-1)  # bytes.translate wants all 256
     for i in range(table.shape[0]):
         rows = slice(i * BLOCK, (i + 1) * BLOCK)
         for j in range(table.shape[1]):
@@ -217,7 +214,7 @@ def requant_codes(
     q, sf = np.empty_like(matrices), np.empty_like(scales)
     rows_per_pass = BLOCK * max(1, chunk_elements // (BLOCK * BLOCK * blocks_k))
     if compiled is not None and use_compiled:
-        rows_per_pass = n  # the C loops copy nothing: only the tables (1/64 of the codes) grow with a pass
+        rows_per_pass = n  # the compiled requant keeps one row of tables, whatever the pass
     for e in range(matrices.shape[0]):
         for row0 in range(0, n, rows_per_pass):
             row1 = min(n, row0 + rows_per_pass)
