@@ -189,7 +189,7 @@ def _requant_by_table(
 def _lookup(blocks: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """out[i, j, e] = table[i, j, blocks[i, j, e]]: each block's codes through its own 256-entry table.
 
-    The CUDA form; on the CPU, `lookup.requant_codes` does the same with bytes.translate.
+    The CUDA form; on the CPU, `lookup.requant_codes` does the same (compiled, or with bytes.translate).
     """
     return torch.gather(table, 2, blocks.long())
 

@@ -1,0 +1,125 @@
+"""How convert moves bytes: kernel copies of adjacent tensors in one call, writes from memory through a
+pipe or pwrite with the same result, every output file on disk before the manifest, and a failed copy
+leaving nothing behind."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import shardprep.prep.file_ranges as file_ranges
+import shardprep.prep.safetensors_writer as safetensors_writer
+import shardprep.prep.writeback as writeback_module
+import shardprep.prep.writer as writer_module
+from shardprep.errors import OutputError
+from shardprep.prep.convert import convert
+from shardprep.prep.safetensors_writer import FileRange, OutTensor, write_safetensors
+from shardprep.prep.source import open_source
+from shardprep.prep.validate import validate
+
+
+def test_adjacent_tensors_of_a_file_are_copied_in_one_kernel_call(checkpoint_cache, tmp_path, monkeypatch):
+    ckpt = open_source(checkpoint_cache("llama"))
+    (sf,) = ckpt.files.values()
+    by_offset = sorted((ckpt.tensors[n] for n in sf.tensors), key=lambda t: t.start)
+    kept = by_offset[:3] + by_offset[4:6]  # two runs of adjacent tensors, split where one was dropped
+    calls = []
+    real = safetensors_writer.copy_range
+    monkeypatch.setattr(safetensors_writer, "copy_range", lambda *a: calls.append(a[4]) or real(*a))
+    out = [OutTensor(t.name, t.dtype, t.shape, FileRange(sf.path, t.start, t.nbytes)) for t in kept]
+    out.insert(3, OutTensor("in.memory", "U8", (5,), b"\x01\x02\x03\x04\x05"))
+    write_safetensors(tmp_path / "x.safetensors", out)
+    assert calls == [sum(t.nbytes for t in kept[:3]), sum(t.nbytes for t in kept[3:])]
+    with safe_open(tmp_path / "x.safetensors", "pt") as f, safe_open(sf.path, "pt") as g:
+        for t in kept:
+            assert torch.equal(f.get_tensor(t.name).view(torch.uint8), g.get_tensor(t.name).view(torch.uint8))
+        assert f.get_tensor("in.memory").tolist() == [1, 2, 3, 4, 5]
+
+
+def written_through(tmp_path, monkeypatch, vmsplice) -> bytes:
+    """A file written with pwrite_all from writable, read-only and sliced buffers of several sizes."""
+    monkeypatch.setattr(file_ranges, "_vmsplice", vmsplice)
+    rng = np.random.default_rng(0)
+    path = tmp_path / f"out-{vmsplice is None}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    at = 3
+    for size in (1, file_ranges.SPLICE_MIN - 1, file_ranges.SPLICE_MIN, (3 << 20) + 7):
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        for buffer in (data, data.tobytes(), memoryview(bytearray(data.tobytes()))[1:]):
+            file_ranges.pwrite_all(fd, buffer, at)
+            at += len(memoryview(buffer))
+    os.close(fd)
+    return path.read_bytes()
+
+
+def test_writes_from_memory_give_the_same_bytes_through_the_pipe_and_through_pwrite(tmp_path, monkeypatch):
+    vmsplice = file_ranges._vmsplice
+    if vmsplice is None:
+        pytest.skip("no vmsplice here: pwrite_all always uses pwrite")
+    spliced = written_through(tmp_path, monkeypatch, vmsplice)
+    plain = written_through(tmp_path, monkeypatch, None)
+    assert spliced == plain
+
+
+def test_a_refused_splice_falls_back_to_pwrite_without_losing_bytes(tmp_path, monkeypatch):
+    vmsplice = file_ranges._vmsplice
+    if vmsplice is None:
+        pytest.skip("no vmsplice here")
+    real_splice = os.splice
+    moved = []
+
+    def splice_then_refuse(*args, **kwargs):  # the first piece goes through, then the filesystem refuses
+        if moved:
+            raise OSError(errno.EINVAL, "splice refused")
+        moved.append(real_splice(*args, **kwargs))
+        return moved[-1]
+
+    plain = written_through(tmp_path, monkeypatch, None)
+    monkeypatch.setattr(file_ranges.os, "splice", splice_then_refuse)
+    file_ranges._drop_pipe()
+    refused = written_through(tmp_path, monkeypatch, vmsplice)
+    assert moved and refused == plain
+
+
+def test_every_output_file_is_on_disk_before_the_manifest_is_written(checkpoint_cache, tmp_path, monkeypatch):
+    src = checkpoint_cache("llama", sharded=True)
+    events = []
+    real_fsync, real_write = writeback_module.os.fsync, writer_module.write_atomically
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def write_atomically(path, text):
+        events.append(("write", path.name))
+        real_write(path, text)
+
+    monkeypatch.setattr(writeback_module.os, "fsync", fsync)
+    monkeypatch.setattr(writer_module, "write_atomically", write_atomically)
+    out = tmp_path / "out"
+    convert(src, out, 2, preset="llama", copy_mode="copy")
+    data_files = {p.name for p in out.rglob("*") if p.suffix in (".bin", ".safetensors")}
+    synced = [i for i, (kind, name) in enumerate(events) if kind == "fsync" and name in data_files]
+    assert data_files and data_files == {events[i][1] for i in synced}
+    assert events.index(("write", "shard_manifest.json")) > max(synced)
+
+
+def test_a_failed_replicated_copy_leaves_nothing_behind(checkpoint_cache, tmp_path, monkeypatch):
+    src = checkpoint_cache("llama", sharded=True)
+
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors_writer, "copy_range", no_space)
+    out = tmp_path / "out"
+    with pytest.raises(OutputError, match=r"model-0000\d-of-0000\d\.safetensors: writing failed"):
+        convert(src, out, 2, preset="llama", copy_mode="copy")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    convert(src, out, 2, preset="llama", copy_mode="copy")
+    assert validate(out, source=src).ok
