@@ -19,8 +19,10 @@ def convert_command(
                       help="fnmatch glob over full tensor names; repeatable.")] = None,
     preset: Annotated[str | None, typer.Option(help="Built-in preset (llama, qwen3-moe, deepseek-v3) or a preset "
                                                     "JSON file.")] = None,
-    layers: Annotated[str, typer.Option(help="Layer range A-B, A-, or 'all'. Default skips layer 0, whose "
-                                             "compute hides layer 1's gather.")] = "1-",
+    layers: Annotated[str, typer.Option(help="Layers to shard: N, A-B, A-, -B, a range with a stride (1-:2 = every "
+                                             "other layer from 1), comma-separated lists (1,3,5-9), or 'all'. "
+                                             "`shardprep plan` prints one. Default skips layer 0, whose compute "
+                                             "hides layer 1's gather.")] = "1-",
     layer_pattern: Annotated[str | None, typer.Option(help="Regex with one group capturing the layer index.")] = None,
     revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")] = None,
     copy_mode: Annotated[str, typer.Option(help="auto: hard-link unchanged files when possible; link; copy.")] = "auto",
