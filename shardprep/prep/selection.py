@@ -116,7 +116,8 @@ def parse_layers(text: str) -> LayerSet:
         m = _SPAN.fullmatch(item.strip())
         if not m or not (m.group("first") or m.group("dash")):
             raise SelectionError(
-                f"--layers {text!r}: {item.strip()!r} is not a layer N, a range A-B, A- or -B (optionally :STRIDE), or all"
+                f"--layers {text!r}: {item.strip()!r} is not a layer N, a range A-B, A- or -B "
+                "(optionally :STRIDE), or all"
             )
         first, dash, last, step = m.group("first"), m.group("dash"), m.group("last"), m.group("step")
         if not dash:
