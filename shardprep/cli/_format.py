@@ -47,3 +47,16 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[int, in
             bar.update(task, completed=done, total=total)
 
         yield update
+
+
+def parse_token_counts(text: str) -> tuple[int, ...]:
+    """'1,16,128' -> (1, 16, 128); a ShardprepError naming the option otherwise."""
+    from ..errors import ShardprepError
+
+    try:
+        counts = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise ShardprepError(f"--tokens {text!r}: expected comma-separated token counts, e.g. 1,16,128") from None
+    if not counts or min(counts) < 1:
+        raise ShardprepError(f"--tokens {text!r}: expected token counts >= 1")
+    return counts
