@@ -9,6 +9,7 @@ import typer
 
 from .convert import convert_command
 from .inspect import inspect_command
+from .plan import plan_command
 from .profile import profile_command
 from .run import run_command
 from .validate import validate_command
@@ -34,6 +35,7 @@ app.command("convert")(convert_command)
 app.command("validate")(validate_command)
 app.command("inspect")(inspect_command)
 app.command("profile")(profile_command)
+app.command("plan")(plan_command)
 
 app.command("run", context_settings={"allow_extra_args": False})(run_command)
 
