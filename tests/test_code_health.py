@@ -11,7 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PURE = ["shardprep.manifests.layout", "shardprep.manifests.manifest", "shardprep.prep.selection",
-        "shardprep.manifests.accounting", "shardprep.manifests.dtypes"]
+        "shardprep.manifests.accounting", "shardprep.manifests.dtypes", "shardprep.manifests.kv_cache",
+        "shardprep.manifests.capacity", "shardprep.manifests.step_time", "shardprep.manifests.profile_format",
+        "shardprep.prep.layer_choice"]
 
 
 @pytest.mark.parametrize("module", PURE)

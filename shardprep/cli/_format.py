@@ -101,7 +101,8 @@ def capacity_rows(totals: dict[str, Any], capacity: dict[str, Any], kv: dict[str
     ]
     if totals["padding_bytes"]:
         rows.append(("  of which alignment padding", human_bytes(totals["padding_bytes"])))
-    rows.append((f"gather bytes received per forward ({n}−1)·Σ C", human_bytes(totals["gather_recv_bytes_per_forward"])))
+    rows.append((f"gather bytes received per forward ({n}−1)·Σ C",
+                 human_bytes(totals["gather_recv_bytes_per_forward"])))
     rows.append(("replicated part (non-targets and unsharded targets)", human_bytes(capacity["replicated_part_bytes"])))
     rows.append(("startup peak on the GPU: R/N + slots + replicated part", human_bytes(capacity["startup_peak_bytes"])))
     rows.append(("  host staging while loading (pinned)", human_bytes(capacity["staging_bytes"])))

@@ -254,7 +254,8 @@ def _verdict(request: PlanRequest, every: LayerChoice, chosen: LayerChoice | Non
         pick = chosen or every
         gathers = ""
         if gather_ms is not None:
-            gathers = f"; its gathers take {sum(gather_ms[i] for i in pick.layers):.2f} ms per forward at {gather_source}"
+            total = sum(gather_ms[i] for i in pick.layers)
+            gathers = f"; its gathers take {total:.2f} ms per forward at {gather_source}"
         return Verdict.MEMORY_ONLY, (f"memory only: sharding {len(pick.layers)} layers {_gain(pick, kv)}{gathers}; "
                                      "the step cost needs --profile (`shardprep profile` on the target GPUs)")
     if chosen is not None:

@@ -234,7 +234,7 @@ def _gather_times(clock: DeviceClock, g: LayerGatherer, options: ProfileOptions,
 
 
 def _environment(device: torch.device) -> dict[str, str]:
-    env = {"torch": torch.__version__}
+    env = {"torch": str(torch.__version__)}
     if device.type == "cuda":
         env["cuda"] = str(torch.version.cuda)
         version = torch.cuda.nccl.version()
@@ -260,7 +260,7 @@ def profile_worker(directory: str, options: ProfileOptions) -> Profile | None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
-                            **({"device_id": device} if device.type == "cuda" else {}))
+                            device_id=device if device.type == "cuda" else None)
     try:
         import transformers
 
@@ -303,7 +303,8 @@ def _device(requested: str, local_rank: int) -> torch.device:
     if kind != "cuda" or not torch.cuda.is_available():
         raise RuntimeShardError(f"--device {requested!r}: expected auto, cpu or cuda (with a CUDA device)")
     if local_rank >= torch.cuda.device_count():
-        raise RuntimeShardError(f"rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); use fewer --nproc")
+        raise RuntimeShardError(f"rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
+                                "use fewer --nproc")
     return torch.device("cuda", local_rank)
 
 

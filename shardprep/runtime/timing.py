@@ -75,7 +75,7 @@ class DeviceClock:
         True
         """
         self.sync()
-        if self.cuda:
+        if self.side is not None:
             side = self.side
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
