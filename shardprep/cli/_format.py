@@ -113,7 +113,7 @@ def capacity_rows(totals: dict[str, Any], capacity: dict[str, Any], kv: dict[str
         rows.append((f"extra concurrent requests at {capacity['context_len']:,} tokens of context",
                      f"{capacity['extra_requests']:,}"))
     if capacity["hbm_bytes"] is not None:
-        rows.append((f"HBM left for the KV cache of {human_bytes(capacity['hbm_bytes'])}: replicated",
+        rows.append((f"HBM left for the KV cache of {capacity['hbm_bytes'] / 1e9:g} GB: replicated",
                      human_bytes(capacity["kv_room_replicated_bytes"])))
         rows.append(("  sharded (weights and slots only; activations not counted)",
                      human_bytes(capacity["kv_room_sharded_bytes"])))
