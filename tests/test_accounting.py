@@ -1,6 +1,5 @@
 """Per-rank memory: the copy and the aliased-own-chunk slot formulas, alignment padding, and the break-even."""
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
