@@ -8,14 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+from ..manifests.accounting import human_bytes as human_bytes  # one byte formatter for the library and the CLI
 
 
 def print_json(data: Any) -> None:

@@ -65,7 +65,7 @@ class MemoryAccount:
 
         >>> reason = account_layers([1 << 20] * 2, world_size=2).shortfall_reason()
         >>> reason.split(": ")[0]
-        'the gather slots (2·max|T| = 2.0 MiB) exceed what sharding frees (R − R/N = 1.0 MiB)'
+        'the gather slots (2·max|T| = 2.00 MiB) exceed what sharding frees (R − R/N = 1.00 MiB)'
         >>> reason.split(": ")[1]
         'with 2 ranks and layers of equal size it pays from 5 sharded layers; 2 are sharded'
         """
@@ -75,8 +75,8 @@ class MemoryAccount:
         when = ("it never pays with 1 rank" if math.isinf(need)
                 else f"with {self.world_size} ranks and layers of equal size it pays from {math.floor(need) + 1} "
                      f"sharded layers; {self.num_layers} are sharded")
-        return (f"the gather slots ({self.slot_formula} = {_mib(self.slot_bytes)}) exceed what sharding frees "
-                f"(R − R/N = {_mib(self.freed_bytes)}): {when}")
+        return (f"the gather slots ({self.slot_formula} = {human_bytes(self.slot_bytes)}) exceed what sharding frees "
+                f"(R − R/N = {human_bytes(self.freed_bytes)}): {when}")
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "slot_formula": self.slot_formula, "freed_bytes": self.freed_bytes,
@@ -181,5 +181,14 @@ def break_even_layers(world_size: int, num_slots: int = 2, aliased_own_chunk: bo
     return float(num_slots) if aliased_own_chunk else num_slots * world_size / (world_size - 1)
 
 
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB" if abs(n) >= 1 << 20 else f"{n / 1024:.0f} KiB"
+def human_bytes(n: float) -> str:
+    """A byte count in binary units, as every shardprep report prints it.
+
+    >>> human_bytes(1536), human_bytes(-49152), human_bytes(512)
+    ('1.50 KiB', '-48.00 KiB', '512 B')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ProfileError, ShardprepError
-from ..manifests.accounting import MemoryAccount, account_layers, manifest_chunk_alignment, zero_copy_applies
+from ..manifests.accounting import (
+    MemoryAccount,
+    account_layers,
+    human_bytes,
+    manifest_chunk_alignment,
+    zero_copy_applies,
+)
 from ..manifests.capacity import Capacity, capacity
 from ..manifests.kv_cache import KvCacheShape, kv_cache_shape
 from ..manifests.layout import ENTRY_ALIGNMENT, FusedGroup, TensorSpec, align_up, plan_layer
@@ -168,8 +174,8 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     alignment = model.chunk_alignment
     aliased = zero_copy_applies(alignment)
     slot_model = (f"aliased own chunk: slots {request.num_slots}·(N−1)/N·max|T| (CUDA, chunks aligned to "
-                  f"{_size(alignment)} ≥ 2 MiB)" if aliased else
-                  f"copy: slots {request.num_slots}·max|T| (chunk alignment {_size(alignment)} < 2 MiB, so the "
+                  f"{human_bytes(alignment)} ≥ 2 MiB)" if aliased else
+                  f"copy: slots {request.num_slots}·max|T| (chunk alignment {human_bytes(alignment)} < 2 MiB, so the "
                   "own chunk cannot be mapped; convert with a 2 MiB chunk alignment for the smaller slots)")
     kv = kv_cache_shape(model.config, request.kv_dtype) if model.config else None
     notes = list(model.notes)
@@ -248,8 +254,8 @@ def _verdict(request: PlanRequest, every: LayerChoice, chosen: LayerChoice | Non
     if every.memory.saved_bytes <= 0:
         return Verdict.DOES_NOT_PAY, f"does not pay: {every.memory.shortfall_reason()}"
     if request.budget_bytes is not None and chosen is None:
-        return Verdict.DOES_NOT_PAY, (f"does not pay: cannot free {_size(request.budget_bytes)} per rank; sharding "
-                                      f"every candidate layer frees {_size(every.memory.saved_bytes)}")
+        return Verdict.DOES_NOT_PAY, (f"does not pay: cannot free {human_bytes(request.budget_bytes)} per rank; "
+                                      f"sharding every candidate layer frees {human_bytes(every.memory.saved_bytes)}")
     if not every.predictions:
         pick = chosen or every
         gathers = ""
@@ -278,15 +284,7 @@ def _verdict(request: PlanRequest, every: LayerChoice, chosen: LayerChoice | Non
 def _gain(choice: LayerChoice, kv: KvCacheShape | None) -> str:
     saved = choice.memory.saved_bytes
     tokens = f" = {kv.tokens(saved):,} KV tokens" if kv else ""
-    return f"frees {_size(saved)} per rank{tokens}"
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+    return f"frees {human_bytes(saved)} per rank{tokens}"
 
 
 def _model_layers(model: _Model, profile: Profile | None, candidates: tuple[int, ...]) -> int:
