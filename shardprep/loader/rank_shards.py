@@ -193,15 +193,16 @@ def copy_through_staging(dst: torch.Tensor, src: mmap.mmap | bytes | memoryview,
         for i, start in enumerate(range(0, total, half)):
             k = min(half, total - start)
             h = i % 2
-            if copied[h] is not None:
+            event = copied[h]
+            if event is not None:
                 # The half is about to be overwritten: its previous host→device copy must have finished.
-                copied[h].synchronize()
+                event.synchronize()
             piece = torch.frombuffer(view[start:start + k], dtype=torch.uint8)
             halves[h][:k].copy_(piece)
             del piece
             dst[start:start + k].copy_(halves[h][:k], non_blocking=on_device)
-            if copied[h] is not None:
-                copied[h].record(stream)
+            if event is not None:
+                event.record(stream)
         if stream is not None:
             stream.synchronize()
     finally:

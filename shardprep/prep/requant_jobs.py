@@ -140,7 +140,7 @@ def read_array(t: SourceTensor, path: str, dtype: Any) -> np.ndarray:
 
     raw = np.empty(t.nbytes, dtype=np.uint8)
     with open(path, "rb") as f:
-        pread_exact(f.fileno(), memoryview(raw), t.start, path)
+        pread_exact(f.fileno(), memoryview(raw.data), t.start, path)
     return raw.view(dtype)
 
 

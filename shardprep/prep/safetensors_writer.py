@@ -8,6 +8,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from ..manifests.dtypes import tensor_nbytes
 
@@ -73,7 +74,7 @@ def write_safetensors(
     return at
 
 
-def copy_range(src: FileRange, out) -> None:
+def copy_range(src: FileRange, out: BinaryIO) -> None:
     """Copy a byte range into an open file at its current position, in the kernel where possible."""
     out.flush()
     with open(src.path, "rb") as f:

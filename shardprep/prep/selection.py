@@ -107,7 +107,7 @@ def load_preset(name_or_path: str) -> Preset:
     'mlp.shared_experts.gate_up_proj.weight'
     """
     if name_or_path in builtin_presets():
-        text = resources.files(__package__).joinpath("presets", f"{name_or_path}.json").read_text()
+        text = resources.files(__package__).joinpath("presets").joinpath(f"{name_or_path}.json").read_text()
         where = f"preset {name_or_path!r}"
     else:
         path = Path(name_or_path)

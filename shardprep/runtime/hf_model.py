@@ -105,7 +105,7 @@ def _from_state_dict(directory: Path, config_dict: dict[str, Any],
     config = transformers.AutoConfig.from_pretrained(directory)
     mapping = MODEL_FOR_CAUSAL_LM_MAPPING if is_causal_lm(directory) else MODEL_MAPPING
     try:
-        model_class = mapping[type(config)]
+        model_class: Any = mapping[type(config)]
     except KeyError:
         raise RuntimeShardError(
             f"{directory / 'config.json'}: transformers {transformers.__version__} has no "
