@@ -105,7 +105,9 @@ class ConvertPlan:
         )
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-able summary for `convert --dry-run`: the selection per layer and the byte totals."""
+        """A JSON-able summary for `convert --dry-run`: the selection per layer, byte totals, per-rank memory."""
+        from ..manifests.accounting import account
+
         return {
             "world_size": self.world_size,
             "layers": {str(lay.layer): [e.name for e in lay.entries] for lay in self.layouts},
@@ -118,6 +120,7 @@ class ConvertPlan:
             "replicated_files": {f.name: ("unchanged" if f.tensors is None else
                                           "dropped" if not f.tensors else "rewritten") for f in self.replicated},
             "replicated_bytes": self.replicated_bytes,
+            "memory": account(self.skeleton_manifest(), non_target_bytes=self.replicated_bytes).to_dict(),
         }
 
 
