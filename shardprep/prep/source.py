@@ -184,7 +184,7 @@ def resolve_source(src: str | Path, revision: str | None = None) -> tuple[Path, 
     if not REPO_ID.match(text) or text.startswith((".", "/")):
         raise SourceError(f"{src}: no such directory (and not a hub repo id)")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     patterns = ["*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.py", "*.jinja", "*.md"]
     try:
