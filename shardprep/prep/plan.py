@@ -130,7 +130,6 @@ def make_plan(ckpt: SourceCheckpoint, world_size: int, selection: Selection,
 
     >>> plan = make_plan(open_source("my-model/"), 8, Selection(preset=load_preset("llama")))  # doctest: +SKIP
     >>> plan.layouts[0].chunk_bytes  # doctest: +SKIP
-    1048576
     """
     targets = select_targets(ckpt.tensors, selection)
     requant_plan = plan_requant(ckpt, targets.names, requant or RequantOptions())

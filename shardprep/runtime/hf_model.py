@@ -30,7 +30,6 @@ def is_causal_lm(directory: str | Path) -> bool:
     """True when DIR's config.json names a causal-LM architecture (`...ForCausalLM`, `...LMHeadModel`).
 
     >>> is_causal_lm("out/")  # doctest: +SKIP
-    True
     """
     return any(a.endswith(CAUSAL_LM_SUFFIXES) for a in _read_config(Path(directory)).get("architectures") or ())
 
