@@ -14,6 +14,8 @@ from ..manifests.manifest import Manifest, load_manifest
 DEFAULT_HBM_BYTES = 141 * 10**9  # one H200
 DEFAULT_CONTEXT_LEN = 8192
 
+SCHEMA = "shardprep/inspect/1"
+
 
 def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto",
             context_len: int = DEFAULT_CONTEXT_LEN, hbm_bytes: int | None = DEFAULT_HBM_BYTES) -> dict[str, Any]:
@@ -24,7 +26,6 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
 
     >>> info = inspect("out/")  # doctest: +SKIP
     >>> info["totals"]["resident_bytes"]  # doctest: +SKIP
-    1234567
     """
     root = Path(directory)
     m = load_manifest(root)
@@ -37,6 +38,7 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
     cap = capacity(memory, kv, replicated_part_bytes=memory.non_target_bytes, context_len=context_len,
                    hbm_bytes=hbm_bytes)
     return {
+        "schema": SCHEMA,
         "directory": str(root),
         "world_size": m.world_size,
         "quantization": m.quantization,
