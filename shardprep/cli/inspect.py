@@ -12,14 +12,16 @@ from ._format import capacity_rows, human_bytes, print_json
 
 
 def inspect_command(
-    out: Annotated[Path, typer.Argument(help="Output directory of `shardprep convert`.")],
-    num_slots: Annotated[int, typer.Option(help="Gather slots the runtime keeps (full layers resident).")] = 2,
-    kv_dtype: Annotated[str, typer.Option(help="KV-cache dtype: auto (the model's), bf16, fp16, fp8, fp32.")]
-    = "auto",
-    context_len: Annotated[int, typer.Option(min=1, help="Context length of one request, for the extra "
-                                                         "concurrent requests the saving allows.")] = 8192,
-    hbm_gb: Annotated[float, typer.Option(help="HBM per GPU in GB (10^9 bytes); 141 = H200.")] = 141.0,
-    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="Output directory of `shardprep convert`.")],
+    num_slots: Annotated[int, typer.Option(metavar="N", help="Gather slots the runtime keeps.")] = 2,
+    kv_dtype: Annotated[str, typer.Option(
+        metavar="DTYPE", help="KV-cache dtype: auto (the model's), bf16, fp16, fp8, fp32.")] = "auto",
+    context_len: Annotated[int, typer.Option(
+        min=1, metavar="TOKENS", help="Context length of one request, for the extra requests the saving allows.")]
+    = 8192,
+    hbm_gb: Annotated[float, typer.Option(metavar="GB", help="HBM per GPU in GB (10^9 bytes); 141 = H200.")] = 141.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (schema shardprep/inspect/1).")]
+    = False,
 ) -> None:
     """Show each layer's entries, |T| and C, and per rank what sharding saves and the KV cache it buys."""
     from ..prep.inspect import inspect

@@ -9,43 +9,48 @@ import typer
 
 from ._errors import cli_errors
 from ._format import capacity_rows, human_bytes, parse_fraction, parse_size, parse_token_counts, print_json
+from .run import Backend
 
 if TYPE_CHECKING:
     from ..prep.payoff import PlanReport
 
 
 def plan_command(
-    source: Annotated[str, typer.Argument(metavar="SRC_OR_OUT", help="A HF checkpoint (local or hub id) or an "
-                                                                     "output directory of `shardprep convert`.")],
-    ranks: Annotated[int, typer.Option("--ranks", "-n", help="Ranks N the targets would be sharded across.")],
-    preset: Annotated[str | None, typer.Option(help="Built-in preset or preset JSON file (SRC only).")] = None,
-    target: Annotated[list[str] | None, typer.Option("--target", "-t", help="fnmatch glob over tensor names; "
-                                                                            "repeatable (SRC only).")] = None,
-    layers: Annotated[str, typer.Option(help="Candidate layers (same syntax as convert --layers); the plan "
-                                             "picks among them.")] = "all",
-    layer_pattern: Annotated[str | None, typer.Option(help="Regex with one group capturing the layer index.")]
+    source: Annotated[str, typer.Argument(
+        metavar="SRC_OR_OUT", help="A HF checkpoint (local or hub id) or an output directory of `shardprep convert`.")],
+    ranks: Annotated[int, typer.Option("--ranks", "-n", metavar="N", help="Ranks N to shard across.")],
+    preset: Annotated[str | None, typer.Option(
+        metavar="NAME|FILE", help="Built-in preset or preset JSON file (SRC only).")] = None,
+    target: Annotated[list[str] | None, typer.Option(
+        "--target", "-t", metavar="GLOB", help="fnmatch glob over tensor names; repeatable (SRC only).")] = None,
+    layers: Annotated[str, typer.Option(
+        metavar="LAYERS", help="Candidate layers (convert --layers syntax); the plan picks among them.")] = "all",
+    layer_pattern: Annotated[str | None, typer.Option(
+        metavar="REGEX", help="Regex with one group capturing the layer index.")] = None,
+    revision: Annotated[str | None, typer.Option(metavar="REV", help="Hub revision (SRC only).")] = None,
+    profile: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="A `shardprep profile` JSON of the target machine: compute, gathers, interference.")]
     = None,
-    revision: Annotated[str | None, typer.Option(help="Hub revision (SRC only).")] = None,
-    profile: Annotated[Path | None, typer.Option(help="A `shardprep profile` JSON of the target machine: "
-                                                      "compute, gathers, interference.")] = None,
-    link_gbps: Annotated[float | None, typer.Option(help="Gather bandwidth received per rank in GB/s, instead "
-                                                         "of the profile's (alone it gives only the gather "
-                                                         "side).")] = None,
-    backend: Annotated[str | None, typer.Option(help="Which profiled backend to plan for (default: the "
-                                                     "first profiled).")] = None,
-    tokens: Annotated[str | None, typer.Option(help="Token counts per step to hold the overhead at "
-                                                    "(default: all the profile measured).")] = None,
-    max_overhead: Annotated[str, typer.Option(help="Largest predicted step-time overhead allowed, e.g. 5% "
-                                                   "or 0.05.")] = "5%",
-    budget_gb: Annotated[float | None, typer.Option(help="Free at least this many GB (10^9 B) per rank, at "
-                                                         "the least overhead, instead.")] = None,
-    hbm_gb: Annotated[float, typer.Option(help="HBM per GPU in GB (10^9 bytes); 141 = H200.")] = 141.0,
-    context_len: Annotated[int, typer.Option(min=1, help="Context length of one request.")] = 8192,
-    kv_dtype: Annotated[str, typer.Option(help="KV-cache dtype: auto (the model's), bf16, fp16, fp8, fp32.")]
-    = "auto",
-    num_slots: Annotated[int, typer.Option(min=1, help="Gather slots the runtime keeps.")] = 2,
-    chunk_alignment: Annotated[str | None, typer.Option(help="Chunk alignment convert will use, e.g. 2MiB "
-                                                             "(SRC; OUT has its own).")] = None,
+    link_gbps: Annotated[float | None, typer.Option(
+        metavar="GBPS", help="Gather bandwidth received per rank, GB/s, instead of the profile's (alone it gives "
+                             "only the gather side).")] = None,
+    backend: Annotated[Backend | None, typer.Option(
+        help="Which profiled backend to plan for (default: the first profiled).")] = None,
+    tokens: Annotated[str | None, typer.Option(
+        metavar="T,T,...", help="Token counts per step to hold the overhead at (default: all the profile has).")]
+    = None,
+    max_overhead: Annotated[str, typer.Option(
+        metavar="PCT", help="Largest predicted step-time overhead allowed, e.g. 5% or 0.05.")] = "5%",
+    budget_gb: Annotated[float | None, typer.Option(
+        metavar="GB", help="Instead: free at least this many GB (10^9 B) per rank at the least overhead.")] = None,
+    hbm_gb: Annotated[float, typer.Option(metavar="GB", help="HBM per GPU in GB (10^9 bytes); 141 = H200.")] = 141.0,
+    context_len: Annotated[int, typer.Option(min=1, metavar="TOKENS", help="Context length of one request.")]
+    = 8192,
+    kv_dtype: Annotated[str, typer.Option(
+        metavar="DTYPE", help="KV-cache dtype: auto (the model's), bf16, fp16, fp8, fp32.")] = "auto",
+    num_slots: Annotated[int, typer.Option(min=1, metavar="N", help="Gather slots the runtime keeps.")] = 2,
+    chunk_alignment: Annotated[str | None, typer.Option(
+        metavar="SIZE", help="Chunk alignment convert will use, e.g. 2MiB (SRC; OUT has its own).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (schema shardprep/plan/1).")]
     = False,
 ) -> None:
@@ -56,7 +61,8 @@ def plan_command(
     with cli_errors():
         request = PlanRequest(
             source=source, ranks=ranks, targets=tuple(target or ()), preset=preset, layers=layers,
-            layer_pattern=layer_pattern, revision=revision, profile=profile, link_gbps=link_gbps, backend=backend,
+            layer_pattern=layer_pattern, revision=revision, profile=profile, link_gbps=link_gbps,
+            backend=backend.value if backend else None,
             tokens=parse_token_counts(tokens) if tokens else None, hbm_bytes=int(hbm_gb * 10**9),
             context_len=context_len, max_overhead=parse_fraction(max_overhead, "--max-overhead"),
             budget_bytes=None if budget_gb is None else int(budget_gb * 10**9), kv_dtype=kv_dtype,

@@ -10,6 +10,7 @@ import typer
 
 from ._errors import cli_errors
 from ._format import parse_token_counts, print_json
+from .run import Backend, Device
 
 if TYPE_CHECKING:
     from ..manifests.profile_format import Profile
@@ -17,19 +18,23 @@ if TYPE_CHECKING:
 
 def profile_command(
     directory: Annotated[Path, typer.Argument(metavar="OUT", help="Output directory of `shardprep convert`.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the profile JSON "
-                                                          "(schema shardprep/profile/1).")],
-    nproc: Annotated[int | None, typer.Option(help="Local ranks, one GPU each (default: the manifest's world "
-                                                   "size).")] = None,
-    tokens: Annotated[str | None, typer.Option(help="Token counts per step to measure, comma-separated "
-                                                    "[default: 1,16,128,1024,4096; 1,8 with --dry-run].")] = None,
-    backend: Annotated[list[str] | None, typer.Option("--backend", "-b", help="Gather backend to measure: auto, "
-                                                      "ce, nccl, nccl-symm or gloo; repeatable.")] = None,
-    iters: Annotated[int, typer.Option(min=1, help="Timed calls per measurement (medians are kept).")] = 20,
-    warmup: Annotated[int, typer.Option(min=0, help="Untimed calls before each measurement.")] = 3,
-    device: Annotated[str, typer.Option(help="auto, cuda (NCCL, GPU = local rank) or cpu (gloo).")] = "auto",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="CPU + gloo, 2 iterations: checks the whole "
-                                                            "path on a tiny model; the times mean nothing.")] = False,
+    out: Annotated[Path, typer.Option(
+        "--out", "-o", metavar="FILE", help="Where to write the profile JSON (schema shardprep/profile/1).")],
+    nproc: Annotated[int | None, typer.Option(
+        "--nproc", "--nproc-per-node", metavar="N", help="Local ranks, one GPU each (default: the manifest's N).")]
+    = None,
+    tokens: Annotated[str | None, typer.Option(
+        metavar="T,T,...", help="Token counts per step to measure (default 1,16,128,1024,4096; 1,8 with "
+                                "--dry-run).")] = None,
+    backend: Annotated[list[Backend] | None, typer.Option(
+        "--backend", "-b", metavar="auto|ce|nccl|nccl-symm|gloo", help="Gather backend to measure; repeatable "
+                                                                     "(default auto).")] = None,
+    iters: Annotated[int, typer.Option(min=1, metavar="N", help="Timed calls per measurement (medians kept).")] = 20,
+    warmup: Annotated[int, typer.Option(min=0, metavar="N", help="Untimed calls before each measurement.")] = 3,
+    device: Annotated[Device, typer.Option(help="cuda: NCCL, one GPU per local rank; cpu: gloo.")] = Device.AUTO,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="CPU + gloo, 2 iterations: checks the whole path on a tiny model; the times mean nothing.")]
+    = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the profile JSON instead of tables.")] = False,
 ) -> None:
     """Time each layer's compute (replicated weights), each backend's gathers and the HBM interference
@@ -41,8 +46,9 @@ def profile_command(
         if dry_run:
             options = ProfileOptions.for_dry_run(counts)
         else:
-            options = ProfileOptions(tokens=counts or ProfileOptions.tokens, backends=tuple(backend or ("auto",)),
-                                     iters=iters, warmup=warmup, device=device)
+            backends = tuple(b.value for b in backend or [Backend.AUTO])
+            options = ProfileOptions(tokens=counts or ProfileOptions.tokens, backends=backends, iters=iters,
+                                     warmup=warmup, device=device.value)
         result = profile(directory, nproc, options)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result.to_dict(), indent=1) + "\n")

@@ -67,7 +67,6 @@ def replicated_bytes(directory: str | Path, manifest: Manifest) -> int:
     """Bytes of the non-target tensors of an output directory (its safetensors index's total_size).
 
     >>> replicated_bytes("out/", load_manifest("out/"))  # doctest: +SKIP
-    2400256
     """
     index = Path(directory) / manifest.replicated_index
     if not index.is_file():

@@ -165,7 +165,6 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     >>> report = plan_sharding(PlanRequest("my-llama/", ranks=8, preset="llama",
     ...                                    profile=Path("profile.json")))  # doctest: +SKIP
     >>> report.verdict_line  # doctest: +SKIP
-    'pays: ...'
     """
     if request.ranks < 1:
         raise ShardprepError(f"--ranks must be >= 1, got {request.ranks}")
