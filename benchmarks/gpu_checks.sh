@@ -2,7 +2,7 @@
 # Every GPU check in one call on a 2-GPU machine (the device tool's nvidia-h200-x2), logs under $OUT.
 #   bash benchmarks/gpu_checks.sh checks   # every test marked gpu (requant/convert CPU==CUDA, runtime, run on cuda)
 #   bash benchmarks/gpu_checks.sh bench    # bench_gather.py and bench_load.py
-#   bash benchmarks/gpu_checks.sh plan     # bench_plan.py, then profile + plan on a converted llama
+#   bash benchmarks/gpu_checks.sh plan     # bench_plan.py, then tests/test_gpu_plan.py (profile + plan via the CLI)
 # Wheels the GPU image lacks (jsonschema and its dependencies) may be carried in .whl/.
 set -u
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -17,19 +17,13 @@ else
 fi
 case "${1:-checks}" in
 plan)
-  # bench_plan on 2 GPUs (the MEASURED.md stack: profile, plan, measure 3 layer choices), then profile and
-  # plan on a converted llama through the CLI.
+  # bench_plan on 2 GPUs (the MEASURED.md stack: profile, plan, measure 3 layer choices), then the profile and
+  # plan test on a converted llama through the CLI.
   timeout 330 python3 benchmarks/bench_plan.py --out "$OUT/bench_plan.json" >"$OUT/bench_plan.log" 2>&1
   echo "bench_plan rc=$?" >>"$OUT/bench_plan.log"
-  { python3 tests/checkpoints.py /tmp/plan-llama --arch llama --layers 8 --hidden 2048 &&
-    python3 -m shardprep convert /tmp/plan-llama /tmp/plan-llama-out --ranks 2 --preset llama --layers 1-:2 \
-      --overwrite -q &&
-    timeout 200 python3 -m shardprep profile /tmp/plan-llama-out --nproc 2 --tokens 16,256 --backend ce \
-      --backend nccl --iters 10 --out "$OUT/profile_llama.json" &&
-    python3 -m shardprep plan /tmp/plan-llama-out --ranks 2 --profile "$OUT/profile_llama.json"
-  } >"$OUT/plan_cli.log" 2>&1
-  echo "plan cli rc=$?" >>"$OUT/plan_cli.log"
-  tail -n 30 "$OUT/bench_plan.log"; tail -n 60 "$OUT/plan_cli.log"
+  timeout 240 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_plan.py >"$OUT/gpu_plan.log" 2>&1
+  echo "gpu plan test rc=$?" >>"$OUT/gpu_plan.log"
+  tail -n 30 "$OUT/bench_plan.log"; tail -n 12 "$OUT/gpu_plan.log"
   ;;
 retest)
   timeout 200 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_runtime.py >"$OUT/gpu_tests.log" 2>&1

@@ -21,6 +21,7 @@ builds DIR's transformers model (`build_model`) and runs `profile_binding`; rank
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import uuid
@@ -341,6 +342,9 @@ def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> list
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shardprep-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
                           start_method="spawn")
+    elastic = logging.getLogger("torch.distributed.elastic")
+    level = elastic.level
+    elastic.setLevel(logging.ERROR)  # the agent's INFO/WARNING chatter is not the user's output
     try:
         results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as exc:
@@ -349,5 +353,7 @@ def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> list
         if isinstance(message, dict):
             message = message.get("message", "")
         text = str(message).strip().splitlines()[0] if str(message).strip() else f"exit code {failure.exitcode}"
-        raise RuntimeShardError(f"rank {rank} failed: {text}") from None
+        raise RuntimeShardError(f"rank {rank} failed: {text}; the others were stopped") from None
+    finally:
+        elastic.setLevel(level)
     return [results[r] for r in range(nproc)]
