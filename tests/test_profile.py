@@ -56,3 +56,12 @@ def test_profile_refuses_a_rank_count_other_than_the_manifests(checkpoint_cache,
     assert result.exit_code == 2
     assert "converted for 2 ranks but --nproc is 3" in result.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_profile_refuses_a_directory_without_config_before_starting_ranks(checkpoint_cache, tmp_path):
+    out = tmp_path / "out"
+    convert(checkpoint_cache("llama"), out, 2, preset="llama")
+    (out / "config.json").unlink()
+    result = CliRunner().invoke(app, ["profile", str(out), "--dry-run", "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: {out / 'config.json'}: not found; copy the source's config.json into {out}"

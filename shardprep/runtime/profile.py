@@ -320,6 +320,9 @@ def profile(directory: str | Path, nproc: int | None, options: ProfileOptions) -
                                 f"profile with {manifest.world_size} ranks")
     if not options.tokens or min(options.tokens) < 1 or options.iters < 1:
         raise RuntimeShardError("--tokens must list counts >= 1 and --iters must be >= 1")
+    from .hf_model import is_causal_lm
+
+    is_causal_lm(directory)  # reads config.json: a missing or broken one is one line here, not N tracebacks
     result = launch_local(profile_worker, n, str(directory), options)[0]
     if not isinstance(result, Profile):
         raise RuntimeShardError("rank 0 returned no profile")
