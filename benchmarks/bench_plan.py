@@ -214,7 +214,13 @@ def worker(args, workdir: str):
             # 2. plan, on the stack's manifest and config, as `shardprep plan OUT --profile` would
             choice = [None]
             if rank == 0:
-                choice[0] = plan(args, weights, profile, workdir)
+                try:
+                    choice[0] = plan(args, weights, profile, workdir)
+                except Exception as exc:  # measure the other choices anyway; the error is reported
+                    result["errors"]["plan"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+                    choice[0] = {"layers": list(range(0, args.layers, 3)), "label": "plan failed; every third layer",
+                                 "verdict": None, "verdict_line": f"plan failed: {result['errors']['plan']}",
+                                 "convert_layers": None, "report": None}
             dist.broadcast_object_list(choice, src=0, group=control)
             planned = choice[0]
             result["plan"] = planned
