@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ._errors import cli_errors
+from ._errors import cli_errors, stop_signals_interrupt
 from ._format import byte_progress, human_bytes, print_json
 
 
@@ -24,7 +24,8 @@ def convert_command(
     layer_pattern: Annotated[str | None, typer.Option(help="Regex with one group capturing the layer index.")] = None,
     revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")] = None,
     copy_mode: Annotated[str, typer.Option(help="auto: hard-link unchanged files when possible; link; copy.")] = "auto",
-    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty OUT (atomically).")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing shardprep output in OUT (atomically).")]
+    = False,
     requant: Annotated[str, typer.Option(help="auto|ue8m0|none: requantize block-FP8 weights to UE8M0 scales.")]
     = "auto",
     requant_scope: Annotated[str, typer.Option(help="all|targets: which block-FP8 weights to requantize.")] = "all",
@@ -43,7 +44,7 @@ def convert_command(
     from ..prep.convert import convert
     from ..prep.requant_jobs import RequantOptions
 
-    with cli_errors(), byte_progress("convert", not (quiet or json_out)) as progress:
+    with stop_signals_interrupt(), cli_errors(), byte_progress("convert", not (quiet or json_out)) as progress:
         options = RequantOptions(mode=requant, scope=requant_scope, recipe=requant_recipe, scale_format=scale_format,
                                  allow_nonfinite=allow_nonfinite, device=device, workers=workers)
         summary = convert(
