@@ -82,7 +82,6 @@ def convert(
     when the parent's filesystem has room for what the plan writes; see docs/reliability.md.
 
     >>> convert("Qwen/Qwen3-30B-A3B", "out/", ranks=8, preset="qwen3-moe")  # doctest: +SKIP
-    ConvertSummary(out='out/', world_size=8, layers=[1, 2, ...], ...)
     """
     t0 = time.perf_counter()
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:

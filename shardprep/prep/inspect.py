@@ -9,13 +9,14 @@ from typing import Any
 from ..manifests.accounting import account
 from ..manifests.manifest import load_manifest
 
+SCHEMA = "shardprep/inspect/1"
+
 
 def inspect(directory: str | Path, num_slots: int = 2) -> dict[str, Any]:
     """Per-layer sizes and per-rank memory/communication totals of an output directory.
 
     >>> info = inspect("out/")  # doctest: +SKIP
     >>> info["totals"]["resident_bytes"]  # doctest: +SKIP
-    1234567
     """
     root = Path(directory)
     m = load_manifest(root)
@@ -25,6 +26,7 @@ def inspect(directory: str | Path, num_slots: int = 2) -> dict[str, Any]:
         non_target = int((json.loads(index.read_text()).get("metadata") or {}).get("total_size", 0))
     totals = account(m, non_target_bytes=non_target, num_slots=num_slots).to_dict()
     return {
+        "schema": SCHEMA,
         "directory": str(root),
         "world_size": m.world_size,
         "quantization": m.quantization,

@@ -107,7 +107,7 @@ def load_preset(name_or_path: str) -> Preset:
     'mlp.shared_experts.gate_up_proj.weight'
     """
     if name_or_path in builtin_presets():
-        text = resources.files(__package__).joinpath("presets", f"{name_or_path}.json").read_text()
+        text = resources.files(__package__).joinpath("presets").joinpath(f"{name_or_path}.json").read_text()
         where = f"preset {name_or_path!r}"
     else:
         path = Path(name_or_path)
@@ -164,8 +164,14 @@ def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:
             raise SelectionError(f"--target {glob!r} matches no tensor in the checkpoint")
         chosen.update(hits)
     if selection.preset is not None:
-        for glob in selection.preset.targets:
-            chosen.update(fnmatch.filter(all_names, glob))
+        hits = [n for glob in selection.preset.targets for n in fnmatch.filter(all_names, glob)]
+        if not hits and not selection.targets:
+            raise SelectionError(
+                f"preset {selection.preset.name!r} matches no tensor in this checkpoint (its globs: "
+                f"{', '.join(selection.preset.targets[:3])}{', ...' if selection.preset.targets[3:] else ''}); "
+                "pass --target GLOB for this model's tensor names (`shardprep presets` lists the presets)"
+            )
+        chosen.update(hits)
 
     layers: dict[int, list[str]] = {}
     for name in sorted(chosen):
