@@ -203,8 +203,7 @@ def source_boundary(root: Path) -> Path:
     snapshot (`models--org--name/snapshots/<commit>/`) the whole repo cache directory, whose blobs/ the
     snapshot's files link to.
 
-    >>> source_boundary(Path("my-model"))  # doctest: +SKIP
-    PosixPath('/home/me/my-model')
+    >>> source_boundary(Path("~/.cache/huggingface/hub/models--org--name/snapshots/abc123"))  # doctest: +SKIP
     """
     real = root.resolve()
     if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):

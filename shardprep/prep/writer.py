@@ -208,8 +208,7 @@ def output_bytes(plan: ConvertPlan, out: Path, copy_mode: str = "auto") -> int:
     and the manifest, each rounded up to 4 KiB blocks. Files that will be hard-linked count as 0 when
     the source is on the destination's filesystem.
 
-    >>> output_bytes(plan, Path("out/"))  # doctest: +SKIP
-    1234567
+    >>> needed = output_bytes(plan, Path("out/"))  # doctest: +SKIP
     """
     def blocks(n: int) -> int:
         return -(-n // 4096) * 4096
