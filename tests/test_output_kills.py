@@ -160,10 +160,12 @@ def test_sigkill_at_every_filesystem_step_of_an_overwrite_leaves_old_or_new(llam
     converter = KillingConverter(llama, out, 2)
     calls = converter.run(0)
     assert world_size(out) == 2
-    # Every call from writing the manifest on (the commit: the swap, removing the old tree, releasing the
-    # lock), fsyncs and the opens for them aside, and every 8th call before.
+    # Every call from writing the manifest to the swap (fsyncs and the opens for them aside), then every
+    # 4th while the old tree is removed, the last three (releasing the lock), and every 8th call before.
     manifest = len(calls) - calls[::-1].index("replace")
-    steps = sorted({i for i in range(manifest - 1, len(calls) + 1) if calls[i - 1] not in ("open", "fsync")}
+    swap = max(i for i, name in enumerate(calls, 1) if name in ("exchange", "rename"))
+    steps = sorted({i for i in range(manifest - 1, swap + 3) if calls[i - 1] not in ("open", "fsync")}
+                   | set(range(swap + 3, len(calls) - 2, 4)) | set(range(len(calls) - 2, len(calls) + 1))
                    | set(range(1, manifest, 8)))
     for step in steps:
         reset()

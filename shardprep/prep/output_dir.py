@@ -108,7 +108,7 @@ def check_output_dir(out: Path, inputs: Sequence[Path], overwrite: bool) -> None
         raise OutputError(f"{out}: exists and is not a directory")
     if st.st_dev != os.stat(Path(os.path.abspath(out)).parent).st_dev:
         raise OutputError(f"{out}: is a mount point and cannot be replaced; write into a directory inside it")
-    if not any(os.scandir(out)):
+    if _is_empty(out):
         return
     if not _is_output(out):
         raise OutputError(f"{out}: directory is not empty and not a shardprep output (no {MANIFEST_NAME}); "
@@ -199,7 +199,7 @@ class _Transaction:
 
     def begin(self) -> None:
         self.existed = os.path.lexists(self.abs)
-        replacing = self.existed and any(os.scandir(self.abs))
+        replacing = self.existed and not _is_empty(self.abs)
         try:
             self.staging = Path(tempfile.mkdtemp(prefix=f".{self.name}{STAGING_MARK}", dir=self.parent))
         except PermissionError:
@@ -231,7 +231,7 @@ class _Transaction:
         os.chmod(self.staging, self._final_mode())
         _fsync_tree(self.staging)
         try:
-            if self.existed and any(os.scandir(self.abs)):
+            if os.path.isdir(self.abs) and not _is_empty(self.abs):
                 exchange(self.staging, self.abs)
             else:
                 os.rename(self.staging, self.abs)  # replaces an empty directory, refuses a non-empty one
@@ -374,17 +374,19 @@ def _lock_owner(path: Path) -> str:
 
 def _remove_abandoned(parent: Path, own_name: str) -> None:
     """Remove staging directories whose writer is gone (its lock is free), and free lock files."""
-    for entry in os.scandir(parent):
-        staging = _STAGING_NAME.match(entry.name)
+    with os.scandir(parent) as entries:
+        names = [(entry.name, entry.path) for entry in entries]
+    for name, path in names:
+        staging = _STAGING_NAME.match(name)
         if staging:
             owner = staging.group("out")
-        elif entry.name.startswith(".") and entry.name.endswith(LOCK_SUFFIX):
-            owner = entry.name[1:-len(LOCK_SUFFIX)]
+        elif name.startswith(".") and name.endswith(LOCK_SUFFIX):
+            owner = name[1:-len(LOCK_SUFFIX)]
         else:
             continue
         if owner == own_name:  # we hold this name's lock: any staging directory of it is abandoned
             if staging:
-                _remove_quietly(Path(entry.path))
+                _remove_quietly(Path(path))
             continue
         lock_path = parent / f".{owner}{LOCK_SUFFIX}"
         try:
@@ -395,7 +397,7 @@ def _remove_abandoned(parent: Path, own_name: str) -> None:
             continue  # a live writer owns it
         try:
             if staging:
-                _remove_quietly(Path(entry.path))
+                _remove_quietly(Path(path))
         finally:
             _unlock(lock_path, fd)
 
@@ -415,6 +417,11 @@ def _remove_output(path: Path) -> None:
     except FileNotFoundError:
         pass
     shutil.rmtree(path)
+
+
+def _is_empty(directory: Path) -> bool:
+    with os.scandir(directory) as entries:
+        return next(entries, None) is None
 
 
 def _is_output(path: Path) -> bool:
