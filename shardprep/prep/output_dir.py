@@ -35,8 +35,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import OutputError, ShardprepError
+from ..manifests.manifest import MANIFEST_NAME  # what marks a directory as a shardprep output
 
-MANIFEST_NAME = "shard_manifest.json"  # what marks a directory as a shardprep output
 STAGING_MARK = ".shardprep-tmp-"
 LOCK_SUFFIX = ".shardprep-lock"
 # tempfile.mkdtemp's suffix: 8 characters of this alphabet. Only names of exactly this shape are ever removed.
