@@ -9,7 +9,7 @@ import typer
 
 from ..prep.convert import CopyMode
 from ..prep.requant_jobs import RequantMode, RequantRecipe, RequantScope, ScaleFormat
-from ._errors import cli_errors
+from ._errors import cli_errors, stop_signals_interrupt
 from ._format import byte_progress, human_bytes, print_json
 
 
@@ -57,7 +57,8 @@ def convert_command(
     from ..prep.convert import convert
     from ..prep.requant_jobs import RequantOptions
 
-    with cli_errors(), byte_progress("convert", not (quiet or json_out or dry_run)) as progress:
+    with (stop_signals_interrupt(), cli_errors(),
+          byte_progress("convert", not (quiet or json_out or dry_run)) as progress):
         options = RequantOptions(mode=requant, scope=requant_scope, recipe=requant_recipe, scale_format=scale_format,
                                  allow_nonfinite=allow_nonfinite, device=device, workers=workers)
         summary = convert(
