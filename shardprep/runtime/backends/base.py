@@ -1,14 +1,25 @@
 """What a gather backend is: the interface the gatherer calls, plain memory, and the startup probe.
 
 A backend knows nothing about layers. It is given a local chunk (a view of this rank's shard
-buffer) and an output view (part of a slot) and returns an op that gathers every rank's chunk, in
-rank order, into the output. The gatherer decides when, on which stream, and into which slot.
+buffer) and an output view (part of a slot, or a zero-copy view whose own part already is the
+chunk) and returns an op that gathers every rank's chunk, in rank order, into the output. The
+gatherer decides when, on which stream, and into which slot.
+
+Two properties the gatherer asks about:
+
+- `matched_by_position`: a collective (gloo, nccl, nccl-symm) pairs this rank's k-th gather with
+  each peer's k-th gather, whatever layer each meant, so a rank whose schedule slipped receives
+  another layer's bytes. The gatherer then sends a tag (layer position, forward count) with every
+  chunk and checks it. A one-sided backend (ce) reads each peer's chunk of the layer it asked for
+  from the peer's shard buffer, which never changes after loading: it cannot receive wrong bytes.
+- `zero_copy_unavailable()`: why its views cannot map the own chunk (None: they can).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -27,11 +38,20 @@ it. On CPU (stream is None) the op returns a Work whose `wait(timeout)` returns 
 """
 
 
+@dataclass(frozen=True)
+class Tags:
+    """A few int32 sent with a chunk (`send`, k values) and every rank's, in rank order (`recv`, N·k)."""
+
+    send: torch.Tensor
+    recv: torch.Tensor
+
+
 class GatherBackend(Protocol):
     """The interface between the gatherer and one way of moving bytes between ranks."""
 
     name: str
     device: torch.device
+    matched_by_position: bool
 
     def allocate_local(self, nbytes: int) -> torch.Tensor:
         """Memory for this rank's shard buffer (the chunks peers read), 1-D uint8."""
@@ -42,11 +62,20 @@ class GatherBackend(Protocol):
     def owns(self, tensor: torch.Tensor) -> bool:
         """True if `tensor` came from `allocate_local` (or needs no special memory)."""
 
+    def zero_copy_unavailable(self) -> str | None:
+        """Why gather views cannot map the own chunk from the shard buffer with this backend, or None."""
+
     def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
         """One-time collective setup once every buffer exists (register windows, exchange handles)."""
 
-    def plan(self, chunk: torch.Tensor, out: torch.Tensor) -> GatherOp:
-        """Precompute the op that gathers every rank's `chunk` into `out` (world_size × chunk bytes)."""
+    def plan(self, chunk: torch.Tensor, out: torch.Tensor, *, in_place: bool = False,
+             tags: Tags | None = None) -> GatherOp:
+        """Precompute the op that gathers every rank's `chunk` into `out` (world_size × chunk bytes).
+
+        `in_place`: `out`'s own part (bytes [rank·C, (rank+1)·C)) already is this rank's chunk (the
+        same memory), so only the peers' parts are written. `tags` (collective backends only) are
+        gathered in the same collective call.
+        """
 
 
 class PlainMemory:
@@ -62,6 +91,9 @@ class PlainMemory:
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device
+
+    def zero_copy_unavailable(self) -> str | None:
+        return f"the {getattr(self, 'name', 'this')} backend gathers into ordinary memory"
 
     def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
         pass

@@ -93,6 +93,9 @@ class NcclSymmBackend(NcclBackend):
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.data_ptr() in self._owned
 
+    def zero_copy_unavailable(self) -> str | None:
+        return "nccl-symm gathers into NCCL symmetric windows from its own pool, which views cannot remap"
+
     def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
         if not self.owns(local):
             raise RuntimeShardError("the nccl-symm backend can only gather from a buffer it allocated (allocate_local)")
