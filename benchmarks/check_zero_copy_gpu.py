@@ -9,7 +9,7 @@ it then succeeds only if NCCL never writes the own part: the local copy that an 
 makes (|T|/N read + |T|/N written per layer) is gone. `--control` writes into such a read-only part
 with an ordinary kernel, in a process of its own, to show that the protection is real (the write
 must fail). Also times in-place against out-of-place all-gathers of the same bytes, and records the
-driver facts zero copy relies on (granularity, where symmetric memory sits in its allocation).
+mapping granularity.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ def read_only_view(device, shard_physical, slot_physical, rank, chunk):
 
     cu = vmm._driver()
     own_at, peer_at = rank * chunk, (1 - rank) * chunk
-    view = vmm.map_pieces([vmm.Piece(own_at, chunk, shard_physical, 0), vmm.Piece(peer_at, chunk, slot_physical, 0)],
-                          2 * chunk, device)
+    view = vmm.map_pieces([vmm.Piece(own_at, shard_physical), vmm.Piece(peer_at, slot_physical)], 2 * chunk, device)
     access = cu.CUmemAccessDesc()
     access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     access.location.id = device.index
@@ -60,17 +59,9 @@ def worker(rank: int, port: int, out: str) -> None:
     facts: dict = {"torch": torch.__version__, "nccl": str(torch.cuda.nccl.version()),
                    "vmm_unavailable": vmm.unavailable(device)}
     facts["granularity"] = vmm.granularity(device)
-    import torch.distributed._symmetric_memory as symm_mem
-
-    symm = symm_mem.empty(CHUNK, dtype=torch.uint8, device=device)
-    physical, offset = vmm.backing(symm)
-    facts["symmetric_memory_offset_in_allocation"] = offset
-    facts["symmetric_memory_allocation_bytes"] = physical.nbytes
-    physical.release()
-
     shard = vmm.create(CHUNK, device)
     slot = vmm.create(CHUNK, device)
-    shard_view = vmm.map_pieces([vmm.Piece(0, CHUNK, shard, 0)], CHUNK, device)
+    shard_view = vmm.map_pieces([vmm.Piece(0, shard)], CHUNK, device)
     shard_view.fill_(rank + 1)
     view = read_only_view(device, shard, slot, rank, CHUNK)
     shard.release()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +24,7 @@ pytestmark = pytest.mark.gpu
 BACKENDS = ("nccl", "ce", "auto", "nccl-symm")  # riskiest last: a crash loses only what follows it
 MAPPED = ("nccl", "ce")  # the backends whose views can map the own chunk
 MIB = 1 << 20
+SCENARIOS = os.environ.get("SHARDPREP_GPU_SCENARIOS", "memory,zero-copy,backends").split(",")  # to save device time
 SLEEP_CYCLES = 5_000_000  # a few ms of a "layer" on the compute stream: long enough for any stray gather to land
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
@@ -41,8 +41,10 @@ def gpu_runs(checkpoint_cache, tmp_path_factory):
     src = checkpoint_cache("llama", layers=4, hidden=1024, tokenizer=False)
     root = tmp_path_factory.mktemp("gpu")
     convert(src, root / "out", 2, preset="llama")
-    results_dir = root / "results"
-    results_dir.mkdir()
+    keep = os.environ.get("SHARDPREP_TEST_RESULTS_DIR")
+    # Written after every scenario, straight where they are kept: a run killed midway still tells.
+    results_dir = Path(keep) / "gpu_runtime" if keep else root / "results"
+    results_dir.mkdir(parents=True, exist_ok=True)
     crash = None
     try:
         run_ranks(_suite, 2, str(root / "out"), str(src), str(results_dir), backend="nccl", env=ENV, timeout=600)
@@ -53,21 +55,15 @@ def gpu_runs(checkpoint_cache, tmp_path_factory):
         path = results_dir / f"rank{r}.json"
         runs.append(json.loads(path.read_text()) if path.exists() else {})
         runs[-1]["crash"] = crash
-    keep = os.environ.get("SHARDPREP_TEST_RESULTS_DIR")
     if keep:
-        Path(keep).mkdir(parents=True, exist_ok=True)
-        shutil.copytree(results_dir, Path(keep) / "gpu_runtime", dirs_exist_ok=True)
-        (Path(keep) / "gpu_runtime" / "crash.txt").write_text(crash or "")
+        (results_dir / "crash.txt").write_text(crash or "")
     return runs
 
 
 # -- what every rank runs ---------------------------------------------------------------------------
 def _suite(rank: int, n: int, out: str, src_dir: str, results_dir: str) -> None:
-    import torch.distributed as dist
     from checkpoints import read_state_dict
 
-    from shardprep.loader import open_rank
-    from shardprep.runtime import LayerGatherer
 
     device = torch.device("cuda", rank)
     result: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
@@ -80,6 +76,19 @@ def _suite(rank: int, n: int, out: str, src_dir: str, results_dir: str) -> None:
     src = read_state_dict(src_dir)
 
     # Memory first, in a clean process: shards + slots + replicated, nothing else.
+    if "memory" in SCENARIOS:
+        _memory(rank, n, out, src, device, result)
+        save()
+    if "zero-copy" in SCENARIOS:
+        _zero_copy_scenarios(rank, n, out, src, device, result, save)
+    if "backends" in SCENARIOS:
+        _backend_scenarios(rank, n, out, src, device, result, save)
+
+
+def _memory(rank, n, out, src, device, result) -> None:
+    from shardprep.loader import open_rank
+    from shardprep.runtime import LayerGatherer
+
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -94,8 +103,14 @@ def _suite(rank: int, n: int, out: str, src_dir: str, results_dir: str) -> None:
         "slots": g.slot_bytes,
         "replicated": sum(t.numel() * t.element_size() for t in rest.values()),
     }
-    save()
     del g, shards, rest
+
+
+def _zero_copy_scenarios(rank, n, out, src, device, result, save) -> None:
+    import torch.distributed as dist
+
+    from shardprep.loader import open_rank
+    from shardprep.runtime import LayerGatherer
 
     # The converted output has 4 KiB-aligned chunks: zero copy falls back, and refuses when required.
     shards = open_rank(out, rank, n, device=device)
@@ -134,18 +149,24 @@ def _suite(rank: int, n: int, out: str, src_dir: str, results_dir: str) -> None:
             save()
             torch.cuda.synchronize()
 
-    # Tags on the device: two gatherers used in another order on rank 0 (positions line up, forward
-    # counts do not); every collective completes, and after the device ran them both ranks raise.
+    # Tags on the device: rank 0 runs two forwards on g1, rank 1 one on g2 then one on g1; the
+    # positions line up, the forward counts of the second pair do not. Every collective completes;
+    # once the device ran them, both ranks raise at g1's next begin().
     try:
         shards = _aligned_shards(out, src, rank, n, device)
         g1, g2 = LayerGatherer(shards, backend="nccl"), LayerGatherer(shards, backend="nccl")
-        for gatherer in ([g1, g1, g2] if rank == 0 else [g2, g1, g1]):
+        for gatherer in ([g1, g1] if rank == 0 else [g2, g1]):
             _forward(gatherer, shards, src)
         torch.cuda.synchronize()
         result["forward_slip"] = _error(g1.begin)
     except Exception as exc:
         result["forward_slip_error"] = f"{type(exc).__name__}: {exc}"
     save()
+
+
+def _backend_scenarios(rank, n, out, src, device, result, save) -> None:
+    from shardprep.loader import open_rank
+    from shardprep.runtime import LayerGatherer
 
     for name in BACKENDS:
         entry: dict = {}
@@ -267,7 +288,7 @@ def _aliasing(g, shards) -> dict:
         record = shards.manifest.layer(layer)
         c = record.chunk_bytes
         own, chunk = g._outs[i][rank * c:(rank + 1) * c], shards.chunk(layer)
-        (a, _), (b, _) = vmm.backing(own), vmm.backing(chunk)
+        a, b = vmm.retain(own.data_ptr(), own.device), vmm.retain(chunk.data_ptr(), chunk.device)
         found["same_allocation"].append(int(a.handle) == int(b.handle))
         a.release()
         b.release()

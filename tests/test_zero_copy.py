@@ -40,24 +40,35 @@ def test_each_view_maps_every_byte_once_own_chunk_from_the_shard_buffer_peers_fr
     m = aligned_manifest(n, first_offset=2 * MIB)
     for rank in range(n):
         plan = zc.plan_views(m, rank, 2 * MIB)
-        max_c = max(r.chunk_bytes for r in m.layers)
-        assert plan.slot_bytes == (n - 1) * max_c
-        for record, mappings in zip(m.layers, plan.layers):
+        assert plan.unit == 2 * MIB  # the gcd of the (padded) chunk sizes
+        assert plan.slot_bytes == (n - 1) * max(r.chunk_bytes for r in m.layers)
+        # The shard buffer: every chunk where the file has it, gaps (the header) mapped too, no overlap.
+        assert [(x.at, x.at + x.nbytes) for x in plan.shard if x.source == "chunk"] == \
+               [(r.file_offset, r.file_offset + r.chunk_bytes) for r in m.layers]
+        spans = [(x.at, x.at + x.nbytes) for x in plan.shard]
+        assert spans[0][0] == 0 and spans[-1][1] == m.rank_file_bytes
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        for i, (record, mappings) in enumerate(zip(m.layers, plan.layers)):
             c = record.chunk_bytes
-            covered = sorted((x.at, x.at + x.nbytes) for x in mappings)
-            assert covered[0][0] == 0 and covered[-1][1] == n * c
-            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # no gap, no overlap
-            shard = [x for x in mappings if x.source == "shard"]
-            assert shard == [zc.Mapping(rank * c, c, "shard", record.file_offset)]
-            # Peer p's part comes from the slot's p-th chunk among the N−1 peers, in rank order.
-            slot_bytes = {}
+            spans = [(x.at, x.at + x.nbytes) for x in mappings]
+            assert spans[0][0] == 0 and spans[-1][1] == n * c
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no gap, no overlap
+            assert [x for x in mappings if x.source == "chunk"] == [zc.Mapping(rank * c, c, "chunk", i)]
+            # Peer p's part is the slot's units of the p-th peer (in rank order among the N−1 peers).
+            per = c // plan.unit
             for x in mappings:
-                if x.source == "slot":
-                    for k in range(x.nbytes // c):
-                        slot_bytes[(x.at + k * c) // c] = (x.offset + k * c) // c
-            assert slot_bytes == {p: p - (p > rank) for p in range(n) if p != rank}
-            assert all(x.at % (2 * MIB) == 0 and x.nbytes % (2 * MIB) == 0 and x.offset % (2 * MIB) == 0
-                       for x in mappings)
+                if x.source == "unit":
+                    p = x.at // c
+                    q = p - (p > rank)
+                    assert p != rank and x.index == q * per + (x.at - p * c) // plan.unit
+            assert max(x.index for x in mappings if x.source == "unit") < plan.units_per_slot
+
+
+def test_a_model_of_one_layer_size_maps_one_allocation_per_peer_part():
+    m = aligned_manifest(4, rows=(4096, 4096, 4096))
+    plan = zc.plan_views(m, 1, 2 * MIB)
+    assert plan.unit == m.layers[0].chunk_bytes and plan.units_per_slot == 3
+    assert all(len(mappings) == 4 for mappings in plan.layers)
 
 
 def test_slots_shrink_to_n_minus_one_over_n_of_a_layer():

@@ -59,7 +59,7 @@ from ..loader.rank_shards import RankShards
 from . import zero_copy as zc
 from .alignment import AlignmentCheck
 from .backends import GatherBackend, make_backend
-from .backends.base import Tags, group_and_rank, log
+from .backends.base import Tags, all_ranks_agree, collective_device, group_and_rank, log
 from .views import layer_views
 
 
@@ -159,26 +159,26 @@ class LayerGatherer:
         self.device = shards.device
         self.timeout = timeout
         self.backend = make_backend(backend, group, self.device) if isinstance(backend, str) else backend
-        if not self.backend.owns(shards.buffer):
-            shards.rehome(self.backend.allocate_local)
 
         records = manifest.layers
         self.layers: tuple[int, ...] = tuple(r.layer for r in records)
         n = len(records)
         s = self.num_slots = min(num_slots, n)
-        views = self._map_own_chunks(zero_copy, rank)
-        if views is None:
+        mapped = self._map_own_chunks(zero_copy, rank)
+        if mapped is None:
+            if not self.backend.owns(shards.buffer):
+                shards.rehome(self.backend.allocate_local)
             memories: tuple[torch.Tensor, ...] = tuple(self.backend.allocate_slot(manifest.max_total_bytes)
                                                       for _ in range(s))
             outs = [memories[i % s][:r.total_bytes] for i, r in enumerate(records)]
         else:
-            memories, outs = views.slots, list(views.views)
+            memories, outs = mapped.slots, list(mapped.views)
         self._cuda = self.device.type == "cuda"
         event = torch.cuda.Event if self._cuda else (lambda: None)
         self._slots = tuple(Slot(m, event(), event()) for m in memories)
         tags = self._tags = (self._allocate_tags(n, world_size)
                              if alignment_tags and self.backend.matched_by_position else None)
-        self.backend.connect(shards.buffer, memories)
+        self.backend.connect(shards.buffer, memories, None if mapped is None else mapped.shard_pieces)
         self._position = {layer: i for i, layer in enumerate(self.layers)}
         self._outs = tuple(outs)  # per position: the flat bytes a gather fills (a slot, or a zero-copy view)
         self._views = tuple(layer_views(r, out) for r, out in zip(records, outs))
@@ -469,40 +469,34 @@ class LayerGatherer:
     def phase(self) -> Phase:
         return self._phase
 
-    def _map_own_chunks(self, requested: bool | None, rank: int) -> zc.ZeroCopyViews | None:
-        """Zero-copy views if they work here (else None, said in one log line); sets zero_copy/_reason."""
-        from . import vmm
-
-        manifest = self.shards.manifest
-        reason = self.backend.zero_copy_unavailable()
-        if reason is None:
-            reason = zc.layout_reason(manifest, vmm.granularity(self.device))
-        decision = zc.decide(requested, reason)
-        views = None
-        if decision.use:
-            views, reason = self._build_views(rank)
-            if views is None and requested:
-                raise RuntimeShardError(f"zero_copy=True, but own chunks cannot be mapped: {reason}")
-        self.zero_copy = views is not None
-        self.zero_copy_reason = reason
-        if views is None:
-            log.info("shardprep: own-chunk zero copy off (%s); gathers copy the local chunk", reason)
-        return views
-
-    def _build_views(self, rank: int) -> tuple[zc.ZeroCopyViews | None, str | None]:
+    def _map_own_chunks(self, requested: bool | None, rank: int) -> zc.ZeroCopyMemory | None:
+        """Zero-copy memory with the shards moved into it, if it works here (else None, said in one
+        log line); sets zero_copy and zero_copy_reason. Collective on CUDA: the ranks agree."""
         from . import vmm
 
         manifest, shards = self.shards.manifest, self.shards
-        try:
+        reason = self.backend.zero_copy_unavailable()
+        if reason is None:
+            reason = zc.layout_reason(manifest, vmm.granularity(self.device))
+        mem = None
+        if requested is not False and reason is None:
             try:
-                vmm.backing(shards.buffer)[0].release()
-            except vmm.VmmError:  # not VMM memory (e.g. loaded with torch.empty): move it into some, once
-                shards.rehome(self.backend.allocate_local)
-            views = zc.build_views(manifest, rank, shards.buffer, self.num_slots)
-        except vmm.VmmError as exc:
-            return None, str(exc)
-        problem = zc.own_chunks_alias(views, manifest, rank, shards.buffer)
-        return (None, problem) if problem else (views, None)
+                mem = zc.build(manifest, rank, self.device, self.num_slots, self.backend.shares_local)
+                shards.rehome(lambda nbytes: mem.shard_buffer)  # one copy, at startup
+                reason = zc.own_chunks_alias(mem, manifest, rank, shards.buffer)
+            except vmm.VmmError as exc:
+                reason = str(exc)
+            if reason is not None:
+                mem = None
+        if self.device.type == "cuda":
+            # Every rank takes the same path: with ce, peers read what connect() shares.
+            if not all_ranks_agree(mem is not None, self.group, collective_device(self.group, self.device)):
+                mem, reason = None, reason or "it could not be set up on another rank"
+        decision = zc.decide(requested, None if mem is not None else reason)  # raises if required but impossible
+        self.zero_copy, self.zero_copy_reason = decision.use, decision.reason
+        if not decision.use:
+            log.info("shardprep: own-chunk zero copy off (%s); gathers copy the local chunk", decision.reason)
+        return mem
 
     def _forget_done_events_across_capture(self) -> None:
         # A captured graph cannot wait on events recorded before its capture began, and eager work

@@ -1,19 +1,23 @@
 """CUDA virtual memory: physical device memory mapped at addresses of our choosing, seen as torch tensors.
 
-The zero-copy own chunk (`zero_copy.py`) maps one physical page range at two virtual addresses:
-the shard buffer, and the part of a layer's gather view that holds this rank's chunk. This module
-is the thin layer over the CUDA driver that makes that possible (`cuda.bindings.driver`):
+The zero-copy own chunk (`zero_copy.py`) maps one physical allocation at two virtual addresses:
+in the shard buffer, and in the part of a layer's gather view that holds this rank's chunk. This
+module is the thin layer over the CUDA driver that makes that possible (`cuda.bindings.driver`):
 
-- `create(nbytes, device)`: new physical memory (cuMemCreate), not yet mapped;
-- `backing(tensor)`: the physical allocation behind an address that is already VMM-mapped
-  (cuMemRetainAllocationHandle + cuMemGetAddressRange), with the address's offset inside it;
-- `map_pieces(pieces, nbytes, device)`: reserve a virtual range, map each piece of physical memory
-  into it (cuMemMap at an offset of the allocation), grant this device read/write (cuMemSetAccess),
-  and return it as a 1-D uint8 tensor (through `__cuda_array_interface__`, no copy).
+- `create(nbytes, device, shareable)`: new physical memory (cuMemCreate), not yet mapped; a
+  shareable one can be exported to the other processes of the host (`export_fd`, `import_fd`);
+- `retain(address)`: the allocation behind an address that is VMM-mapped (cuMemRetainAllocationHandle);
+- `map_pieces(pieces, nbytes, device)`: reserve a virtual range, map each allocation whole into it
+  (cuMemMap), grant this device read/write (cuMemSetAccess), and return it as a 1-D uint8 tensor
+  (through `__cuda_array_interface__`, no copy).
+
+Every mapping maps a whole allocation from its first byte: the driver of the H200 machines
+(580.159, CUDA 13.0) answered CUDA_ERROR_NOT_SUPPORTED to a cuMemMap at a nonzero offset into an
+allocation (2026-11-30), so memory that two views share is allocated in the pieces they share.
 
 Mappings are made once at startup and never change, so kernels and CUDA graphs that use the
-tensors see fixed addresses. Physical memory is freed when its last mapping goes: a handle is
-released as soon as it is mapped, and a range is unmapped when its tensor is garbage-collected.
+tensors see fixed addresses. Physical memory is freed when its last mapping goes: callers release
+a handle once it is mapped, and a range is unmapped when its tensor is garbage-collected.
 
 Nothing here runs on a machine without CUDA: `unavailable(device)` says why not, and every other
 function is called only when it returned None.
@@ -85,72 +89,62 @@ class Physical:
 
 @dataclass(frozen=True)
 class Piece:
-    """`nbytes` of `physical`, from byte `offset` of it, mapped at byte `at` of a virtual range."""
+    """The whole of `physical`, mapped at byte `at` of a virtual range."""
 
     at: int
-    nbytes: int
     physical: Physical
-    offset: int
 
 
-def create(nbytes: int, device: torch.device) -> Physical:
+def create(nbytes: int, device: torch.device, shareable: bool = False) -> Physical:
     """New physical memory on `device` (`nbytes`, a multiple of `granularity`), not mapped anywhere yet.
+
+    `shareable`: other processes of this host may map it (`export_fd`).
 
     >>> slot = create(64 << 20, torch.device("cuda", 0))  # doctest: +SKIP
     """
     with _current(device):
-        return Physical(_call("cuMemCreate", nbytes, _prop(device), 0), nbytes)
+        return Physical(_call("cuMemCreate", nbytes, _prop(device, shareable), 0), nbytes)
 
 
-def backing(tensor: torch.Tensor) -> tuple[Physical, int]:
-    """The physical allocation that `tensor`'s first byte lives in, and that byte's offset inside it.
+def retain(address: int, device: torch.device) -> Physical:
+    """The allocation mapped at `address` (any byte of it); its size is not known here (0). release() it.
 
-    Fails (VmmError) unless the tensor's memory is VMM-mapped (torch symmetric memory, `allocate`)
-    and all of it lies in that one allocation. The returned handle is retained: release() it.
-
-    >>> physical, offset = backing(shards.buffer)  # doctest: +SKIP
+    >>> same = int(retain(view_ptr, dev).handle) == int(retain(shard_ptr, dev).handle)  # doctest: +SKIP
     """
-    ptr = tensor.data_ptr()
-    with _current(tensor.device):
-        handle = _call("cuMemRetainAllocationHandle", ptr)
-        try:
-            base, size = _call("cuMemGetAddressRange", ptr)
-            base, size = int(base), int(size)
-            nbytes = tensor.numel() * tensor.element_size()
-            if ptr + nbytes > base + size:
-                raise VmmError(f"the buffer ({nbytes} bytes) spans more than the one allocation ({size} bytes) "
-                               "it starts in")
-        except BaseException:
-            _call("cuMemRelease", handle)
-            raise
-    return Physical(handle, size), ptr - base
+    with _current(device):
+        return Physical(_call("cuMemRetainAllocationHandle", address), 0)
 
 
-def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A 1-D uint8 tensor of `nbytes` on `device` in one VMM allocation (rounded up to the granularity).
+def export_fd(address: int, device: torch.device) -> int:
+    """A file descriptor for the shareable allocation mapped at `address` (send it to a peer process).
 
-    Memory that `backing()` can find, so that pieces of it can be mapped a second time elsewhere.
-    It is not counted by torch.cuda.memory_allocated().
-
-    >>> buffer = allocate(1 << 30, torch.device("cuda", 0))  # doctest: +SKIP
+    >>> fd = export_fd(buffer.data_ptr(), buffer.device)  # doctest: +SKIP
     """
-    size = _round_up(max(nbytes, 1), granularity(device))
-    physical = create(size, device)
+    physical = retain(address, device)
     try:
-        return map_pieces([Piece(0, size, physical, 0)], size, device)[:nbytes]
+        with _current(device):
+            return int(_call("cuMemExportToShareableHandle", physical.handle, _posix_fd(), 0))
     finally:
-        physical.release()  # the mapping keeps the memory alive
+        physical.release()
+
+
+def import_fd(fd: int, nbytes: int, device: torch.device) -> Physical:
+    """The allocation a peer exported as `fd` (`nbytes` long), ready to be mapped here. Closes nothing.
+
+    >>> peer_chunk = import_fd(fd, 64 << 20, torch.device("cuda", 0))  # doctest: +SKIP
+    """
+    with _current(device):
+        return Physical(_call("cuMemImportFromShareableHandle", fd, _posix_fd()), nbytes)
 
 
 def map_pieces(pieces: Sequence[Piece], nbytes: int, device: torch.device) -> torch.Tensor:
     """Reserve `nbytes` of virtual addresses, map every piece into it, and return it as a uint8 tensor.
 
-    Pieces must cover [0, nbytes) without overlap, with every `at`, `nbytes` and `offset` a multiple
-    of the granularity. The handles are not released (the caller owns them); the range is unmapped
-    and freed when the returned tensor (and every view of it) is gone.
+    Pieces must cover [0, nbytes) without overlap, each at a multiple of the granularity. The
+    handles are not released (the caller owns them); the range is unmapped and freed when the
+    returned tensor (and every view of it) is gone.
 
-    >>> view = map_pieces([Piece(0, 2 << 20, slot, 0), Piece(2 << 20, 2 << 20, shard, 8 << 20)],
-    ...                   4 << 20, torch.device("cuda", 0))  # doctest: +SKIP
+    >>> view = map_pieces([Piece(0, peer_part), Piece(2 << 20, own_chunk)], 4 << 20, dev)  # doctest: +SKIP
     """
     cu = _driver()
     with _current(device):
@@ -158,8 +152,8 @@ def map_pieces(pieces: Sequence[Piece], nbytes: int, device: torch.device) -> to
         mapped: list[tuple[int, int]] = []
         try:
             for p in pieces:
-                _call("cuMemMap", va + p.at, p.nbytes, p.offset, p.physical.handle, 0)
-                mapped.append((va + p.at, p.nbytes))
+                _call("cuMemMap", va + p.at, p.physical.nbytes, 0, p.physical.handle, 0)
+                mapped.append((va + p.at, p.physical.nbytes))
             access = cu.CUmemAccessDesc()
             access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             access.location.id = _ordinal(device)
@@ -227,13 +221,19 @@ def _ordinal(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _prop(device: torch.device) -> Any:
+def _prop(device: torch.device, shareable: bool = False) -> Any:
     cu = _driver()
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = _ordinal(device)
+    if shareable:
+        prop.requestedHandleTypes = _posix_fd()
     return prop
+
+
+def _posix_fd() -> Any:
+    return _driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
 
 def _round_up(n: int, alignment: int) -> int:

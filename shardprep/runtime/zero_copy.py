@@ -5,24 +5,28 @@ Without it a gather writes all of T into a slot, this rank's own chunk included:
 With it, each sharded layer ℓ (position i, chunk C = chunk_bytes) has one view of N·C bytes, built
 once at startup with CUDA virtual memory (`vmm.py`) and never remapped:
 
-    view of layer ℓ:  [ peers 0..r−1 | own chunk r | peers r+1..N−1 ]
-                        slot i%S,      shard buffer,  slot i%S,
-                        bytes [0, r·C) [file_offset,   bytes [r·C, (N−1)·C)
-                                        file_offset+C)
+    view of layer ℓ:  [ peer 0 | ... | peer r−1 | own chunk r | peer r+1 | ... | peer N−1 ]
+                        slot i%S's units, in rank   the shard     slot i%S's units
+                        order (peers only)          buffer's ℓ
 
 A gather then writes only the N−1 peer parts (ce: N−1 pulls; nccl: an in-place all-gather), and a
 slot holds (N−1)·max C bytes instead of N·max C: slot memory falls by a factor (N−1)/N.
 
-Mappings have a granularity (2 MiB on Hopper): every chunk must start (file_offset) and end
-(chunk_bytes) on it, which `convert --chunk-alignment` provides. Otherwise, or without CUDA VMM
+The driver maps only whole allocations (see vmm.py), so memory is allocated in the pieces views
+share: the shard buffer is one allocation per layer chunk (plus one per gap between chunks),
+mapped back to back at the chunks' file offsets; a slot is (N−1)·max C / u allocations of u bytes,
+u = the gcd of the chunk sizes (one allocation per peer part when all layers have one size).
+Every chunk must therefore start (file_offset) and end (chunk_bytes) on the mapping granularity
+(2 MiB on Hopper), which `convert --chunk-alignment` provides. Otherwise, or without CUDA VMM
 (CPU, gloo, no cuda-bindings, an old driver), the gatherer keeps the copy path and says so once.
 
 This file holds the pure layout math and the decision (`plan_views`, `decide`), unit-tested on the
-CPU, and `build_views`, which makes the mappings on a GPU.
+CPU, and `build`, which allocates and maps on a GPU.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,25 +39,29 @@ MIB = 1 << 20
 
 @dataclass(frozen=True)
 class Mapping:
-    """`nbytes` at byte `at` of a layer's view come from byte `offset` of the slot or of the shard buffer."""
+    """An allocation mapped at byte `at` of a view or of the shard buffer: `nbytes` long, either the
+    chunk of the layer at position `index` ("chunk"), a gap of the shard buffer ("gap", numbered),
+    or unit `index` of the view's slot ("unit")."""
 
     at: int
     nbytes: int
-    source: str  # "slot" or "shard"
-    offset: int
+    source: str
+    index: int
 
 
 @dataclass(frozen=True)
 class ViewPlan:
-    """Where every byte of every layer's view comes from, and how large a slot must be."""
+    """Every allocation, and where each view and the shard buffer map them."""
 
     granularity: int
-    slot_bytes: int  # per slot: (N−1)·max chunk_bytes
-    layers: tuple[tuple[Mapping, ...], ...]  # per layer position, in view order
+    unit: int  # bytes of one slot allocation: the gcd of the chunk sizes
+    units_per_slot: int  # (N−1)·max C / unit
+    shard: tuple[Mapping, ...]  # the shard buffer: chunks and gaps, back to back from byte 0
+    layers: tuple[tuple[Mapping, ...], ...]  # per layer position: its view, in order
 
     @property
-    def mappings(self) -> int:
-        return sum(len(m) for m in self.layers)
+    def slot_bytes(self) -> int:
+        return self.unit * self.units_per_slot
 
 
 def misalignment(manifest: Manifest, granularity: int) -> str | None:
@@ -77,27 +85,30 @@ def misalignment(manifest: Manifest, granularity: int) -> str | None:
     return None
 
 
-def layer_mappings(record: LayerRecord, rank: int, world_size: int) -> tuple[Mapping, ...]:
-    """The (at most three) mappings of one layer's view: peers before `rank`, the own chunk, peers after.
+def view_mappings(record: LayerRecord, position: int, rank: int, world_size: int, unit: int) -> tuple[Mapping, ...]:
+    """The mappings of one layer's view: its own chunk at rank·C, each peer part made of slot units.
 
-    Peer p's part comes from slot bytes [p'·C, (p'+1)·C) with p' = p for p < rank and p − 1 after it,
-    so the N−1 peer parts fill the first (N−1)·C bytes of the slot in rank order.
+    Peer p's part takes the slot's units [q·C/u, (q+1)·C/u) with q = p for p < rank and p − 1 after
+    it, so the N−1 peer parts fill the first (N−1)·C bytes of the slot in rank order.
 
     >>> from shardprep.manifests import plan_layer, TensorSpec, LayerRecord
     >>> lay = plan_layer(1, [TensorSpec("l.1.w", "BF16", (4096, 1024))], world_size=4)
-    >>> [(m.at >> 20, m.nbytes >> 20, m.source, m.offset >> 20)
-    ...  for m in layer_mappings(LayerRecord.from_layout(lay, 6 * MIB), rank=1, world_size=4)]
-    [(0, 2, 'slot', 0), (2, 2, 'shard', 6), (4, 4, 'slot', 2)]
+    >>> [(m.at >> 20, m.source, m.index) for m in view_mappings(LayerRecord.from_layout(lay, 0), 0, 1, 4, 2 * MIB)]
+    [(0, 'unit', 0), (2, 'chunk', 0), (4, 'unit', 1), (6, 'unit', 2)]
     """
-    c, r = record.chunk_bytes, rank
-    pieces = [Mapping(0, r * c, "slot", 0), Mapping(r * c, c, "shard", record.file_offset),
-              Mapping((r + 1) * c, (world_size - 1 - r) * c, "slot", r * c)]
-    return tuple(m for m in pieces if m.nbytes)
+    c, per = record.chunk_bytes, record.chunk_bytes // unit
+    out = []
+    for p in range(world_size):
+        if p == rank:
+            out.append(Mapping(p * c, c, "chunk", position))
+            continue
+        q = p - (p > rank)
+        out += [Mapping(p * c + k * unit, unit, "unit", q * per + k) for k in range(per)]
+    return tuple(out)
 
 
 def plan_views(manifest: Manifest, rank: int, granularity: int) -> ViewPlan:
-    """The mappings of every layer's view (manifest order) and the slot size; LayoutError-free once
-    `misalignment(manifest, granularity)` is None.
+    """Every allocation and mapping of the zero-copy path for `rank`; raises if `misalignment` is not None.
 
     >>> from shardprep.manifests import plan_layer, TensorSpec, LayerRecord, Manifest, plan_file_offsets
     >>> lays = [plan_layer(i, [TensorSpec(f"l.{i}.w", "BF16", (2048 * (i + 1), 1024))], world_size=2)
@@ -105,15 +116,27 @@ def plan_views(manifest: Manifest, rank: int, granularity: int) -> ViewPlan:
     >>> offs = plan_file_offsets([l.chunk_bytes for l in lays], 2 * MIB)
     >>> m = Manifest(2, ("a", "b"), tuple(LayerRecord.from_layout(l, o) for l, o in zip(lays, offs)))
     >>> p = plan_views(m, rank=0, granularity=2 * MIB)
-    >>> p.slot_bytes >> 20, p.mappings
-    (4, 4)
+    >>> p.unit >> 20, p.units_per_slot, [(x.at >> 20, x.source) for x in p.shard]
+    (2, 2, [(0, 'chunk'), (2, 'chunk')])
     """
     problem = misalignment(manifest, granularity)
     if problem is not None:
         raise RuntimeShardError(f"cannot map the own chunks: {problem}")
     n = manifest.world_size
+    unit = 0
+    for r in manifest.layers:
+        unit = math.gcd(unit, r.chunk_bytes)
     max_c = max(r.chunk_bytes for r in manifest.layers)
-    return ViewPlan(granularity, (n - 1) * max_c, tuple(layer_mappings(r, rank, n) for r in manifest.layers))
+    shard: list[Mapping] = []
+    at = gaps = 0
+    for i, r in enumerate(manifest.layers):
+        if r.file_offset > at:  # header or padding between chunks: memory the loader fills, no view maps
+            shard.append(Mapping(at, r.file_offset - at, "gap", gaps))
+            gaps += 1
+        shard.append(Mapping(r.file_offset, r.chunk_bytes, "chunk", i))
+        at = r.file_offset + r.chunk_bytes
+    layers = tuple(view_mappings(r, i, rank, n, unit) for i, r in enumerate(manifest.layers))
+    return ViewPlan(granularity, unit, (n - 1) * max_c // unit, tuple(shard), layers)
 
 
 @dataclass(frozen=True)
@@ -178,56 +201,63 @@ def slot_bytes(manifest: Manifest, num_slots: int, zero_copy: bool) -> int:
 
 # -- on the GPU ------------------------------------------------------------------------------------
 @dataclass
-class ZeroCopyViews:
-    """The mapped views (one per layer position) and the slots' own contiguous mappings."""
+class ZeroCopyMemory:
+    """What `build` made: the shard buffer, one view per layer position, one contiguous mapping per slot."""
 
+    shard_buffer: torch.Tensor
     views: tuple[torch.Tensor, ...]
     slots: tuple[torch.Tensor, ...]
     plan: ViewPlan
 
+    @property
+    def shard_pieces(self) -> tuple[tuple[int, int], ...]:
+        """(offset, bytes) of each separate allocation in the shard buffer (what a peer maps, for ce)."""
+        return tuple((m.at, m.nbytes) for m in self.plan.shard)
 
-def build_views(manifest: Manifest, rank: int, shard_buffer: torch.Tensor, num_slots: int) -> ZeroCopyViews:
-    """Map every layer's view: its own chunk from `shard_buffer`'s pages, its peer parts from its slot's.
 
-    The shard buffer must be VMM memory whose first byte sits on a granularity boundary of its
-    allocation (`vmm.allocate`, or the ce backend's symmetric memory); anything else raises.
-    Each slot is new physical memory of `plan.slot_bytes`, also mapped once on its own (`slots`).
+def build(manifest: Manifest, rank: int, device: torch.device, num_slots: int, shareable: bool) -> ZeroCopyMemory:
+    """Allocate and map the shard buffer (uninitialised), every layer's view, and the slots.
 
-    >>> zc = build_views(shards.manifest, shards.rank, shards.buffer, num_slots=2)  # doctest: +SKIP
+    `shareable`: the shard buffer's allocations can be exported to peer processes (ce reads them).
+    Every allocation is mapped whole; handles are released once mapped, so the memory lives as long
+    as the tensors that map it.
+
+    >>> mem = build(shards.manifest, shards.rank, torch.device("cuda", 0), 2, shareable=True)  # doctest: +SKIP
+    >>> shards.rehome(lambda nbytes: mem.shard_buffer)  # doctest: +SKIP
     """
     from . import vmm
 
-    device = shard_buffer.device
-    gran = vmm.granularity(device)
-    plan = plan_views(manifest, rank, gran)
-    shard, base = vmm.backing(shard_buffer)
-    physical = []
+    plan = plan_views(manifest, rank, vmm.granularity(device))
+    slots = min(num_slots, len(manifest.layers))
+    made: list[vmm.Physical] = []
+
+    def new(nbytes: int, share: bool = False) -> vmm.Physical:
+        made.append(vmm.create(nbytes, device, share))
+        return made[-1]
+
     try:
-        if base % gran:
-            raise vmm.VmmError(f"the shard buffer starts {base} bytes into its allocation, not on a "
-                               f"{_size(gran)} boundary")
-        slots = min(num_slots, len(manifest.layers))
-        physical = [vmm.create(plan.slot_bytes, device) for _ in range(slots)]
-        slot_views = tuple(vmm.map_pieces([vmm.Piece(0, plan.slot_bytes, p, 0)], plan.slot_bytes, device)
-                           for p in physical)
-        views = []
-        for i, (record, mappings) in enumerate(zip(manifest.layers, plan.layers)):
-            pieces = [vmm.Piece(m.at, m.nbytes, shard if m.source == "shard" else physical[i % slots],
-                                m.offset + (base if m.source == "shard" else 0)) for m in mappings]
-            views.append(vmm.map_pieces(pieces, record.total_bytes, device))
+        pieces = {(m.source, m.index): new(m.nbytes, shareable) for m in plan.shard}
+        units = [[new(plan.unit) for _ in range(plan.units_per_slot)] for _ in range(slots)]
+        shard_buffer = vmm.map_pieces([vmm.Piece(m.at, pieces[m.source, m.index]) for m in plan.shard],
+                                      manifest.rank_file_bytes, device)
+        slot_views = tuple(vmm.map_pieces([vmm.Piece(k * plan.unit, u) for k, u in enumerate(slot_units)],
+                                          plan.slot_bytes, device) for slot_units in units)
+        views = tuple(vmm.map_pieces([vmm.Piece(m.at, units[i % slots][m.index] if m.source == "unit"
+                                                else pieces["chunk", i]) for m in mappings],
+                                     record.total_bytes, device)
+                      for i, (record, mappings) in enumerate(zip(manifest.layers, plan.layers)))
     finally:
-        shard.release()  # the mappings keep every page alive
-        for p in physical:
-            p.release()
-    return ZeroCopyViews(tuple(views), slot_views, plan)
+        for physical in made:
+            physical.release()  # the mappings keep every page alive
+    return ZeroCopyMemory(shard_buffer, views, slot_views, plan)
 
 
-def own_chunks_alias(zc: ZeroCopyViews, manifest: Manifest, rank: int, shard_buffer: torch.Tensor) -> str | None:
+def own_chunks_alias(mem: ZeroCopyMemory, manifest: Manifest, rank: int, shard_buffer: torch.Tensor) -> str | None:
     """Check once that each view's own-chunk part shows the shard buffer's bytes; None, or what differs.
 
-    >>> own_chunks_alias(zc, shards.manifest, shards.rank, shards.buffer)  # doctest: +SKIP
+    >>> own_chunks_alias(mem, shards.manifest, shards.rank, shards.buffer)  # doctest: +SKIP
     """
-    for view, record in zip(zc.views, manifest.layers):
+    for view, record in zip(mem.views, manifest.layers):
         c = record.chunk_bytes
         own = view[rank * c:(rank + 1) * c]
         chunk = shard_buffer[record.file_offset:record.file_offset + c]

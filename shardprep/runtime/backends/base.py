@@ -52,6 +52,7 @@ class GatherBackend(Protocol):
     name: str
     device: torch.device
     matched_by_position: bool
+    shares_local: bool  # peers read this rank's shard buffer directly (one-sided): zero copy exports it
 
     def allocate_local(self, nbytes: int) -> torch.Tensor:
         """Memory for this rank's shard buffer (the chunks peers read), 1-D uint8."""
@@ -65,8 +66,13 @@ class GatherBackend(Protocol):
     def zero_copy_unavailable(self) -> str | None:
         """Why gather views cannot map the own chunk from the shard buffer with this backend, or None."""
 
-    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
-        """One-time collective setup once every buffer exists (register windows, exchange handles)."""
+    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor],
+                local_pieces: Sequence[tuple[int, int]] | None = None) -> None:
+        """One-time collective setup once every buffer exists (register windows, exchange handles).
+
+        `local_pieces`: the shard buffer is a zero-copy one, made of separate shareable allocations
+        at these (offset, bytes); a backend that shares it with peers shares those.
+        """
 
     def plan(self, chunk: torch.Tensor, out: torch.Tensor, *, in_place: bool = False,
              tags: Tags | None = None) -> GatherOp:
@@ -92,10 +98,13 @@ class PlainMemory:
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device
 
+    shares_local = False
+
     def zero_copy_unavailable(self) -> str | None:
         return f"the {getattr(self, 'name', 'this')} backend gathers into ordinary memory"
 
-    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
+    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor],
+                local_pieces: Sequence[tuple[int, int]] | None = None) -> None:
         pass
 
 

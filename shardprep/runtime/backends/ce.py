@@ -16,10 +16,11 @@ With N > 2 every copy runs on a stream of its own so the pulls from all peers pr
 NVLink multicast is never used: TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set (unless set already)
 before the first symmetric allocation.
 
-For zero copy the shard buffer must start on a mapping-granularity boundary of its physical
-allocation; symmetric memory puts a signal pad in the same allocation (in front of the buffer in
-recent torch), so `allocate_local` over-allocates by one granule and starts the buffer at the
-first boundary. Every rank computes the same offset; connect() checks that they agree.
+With zero copy the shard buffer is not symmetric memory but one shareable CUDA allocation per
+chunk (and per gap), which the views also map: connect() exports them as file descriptors, passes
+them to the peers (`fd_passing.py`), and maps each peer's pieces in the same layout, so a peer's
+chunk of layer ℓ again sits at ℓ's file_offset of that peer's buffer. The one-sided argument above
+holds unchanged: those allocations are written once, before connect(), and never again.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch.distributed as dist
 
 from ...errors import RuntimeShardError
 from .. import vmm
-from .base import GatherOp, Tags, collective_device, group_and_rank
+from ..fd_passing import exchange_fds
+from .base import GatherOp, Tags, group_and_rank
 
 
 class CopyEngineBackend:
@@ -44,6 +46,7 @@ class CopyEngineBackend:
 
     name = "ce"
     matched_by_position = False
+    shares_local = True
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
         self.group, self.rank, self.world_size = group_and_rank(group)
@@ -55,27 +58,16 @@ class CopyEngineBackend:
 
         self._symm_mem = symm_mem
         self._vmm_unavailable = vmm.unavailable(self.device)
-        self._granule = vmm.granularity(self.device) if self._vmm_unavailable is None else 0
-        # data_ptr of a buffer from allocate_local → (the symmetric allocation it sits in, its offset there)
-        self._owned: dict[int, tuple[torch.Tensor, int]] = {}
+        self._owned: set[int] = set()
         self._local: torch.Tensor | None = None
         self._peers: list[torch.Tensor | None] = []
         # One stream per copy lane besides the caller's: the caller's stream pulls from the first peer.
         self._lanes = [torch.cuda.Stream(self.device) for _ in range(self.world_size - 1)]
 
     def allocate_local(self, nbytes: int) -> torch.Tensor:
-        whole = self._symm_mem.empty(nbytes + self._granule, dtype=torch.uint8, device=self.device)
-        pad = 0
-        if self._granule:
-            try:
-                physical, offset = vmm.backing(whole)
-                physical.release()
-                pad = -offset % self._granule
-            except vmm.VmmError:
-                pad = 0  # not mappable after all: zero copy will say so and fall back
-        local = whole[pad:pad + nbytes]
-        self._owned[local.data_ptr()] = (whole, pad)
-        return local
+        t = self._symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._owned.add(t.data_ptr())
+        return t
 
     def allocate_slot(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -86,33 +78,53 @@ class CopyEngineBackend:
     def zero_copy_unavailable(self) -> str | None:
         return self._vmm_unavailable
 
-    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
-        if not self.owns(local):
-            raise RuntimeShardError("the ce backend can only share a buffer it allocated (allocate_local)")
-        whole, pad = self._owned[local.data_ptr()]
-        _enable_group(self._symm_mem, self.group)
-        # Every rank reads a peer's chunk at the same offset as its own, so the pads must agree.
-        pads = torch.tensor([pad, -pad], dtype=torch.int64, device=collective_device(self.group, self.device))
-        dist.all_reduce(pads, op=dist.ReduceOp.MAX, group=self.group)
-        if int(pads[0]) != -int(pads[1]):
-            raise RuntimeShardError(f"ce backend: ranks placed their shard buffers at different offsets of their "
-                                    f"symmetric allocations (between {-int(pads[1])} and {int(pads[0])} bytes)")
-        # Peers may read `local` as soon as the rendezvous returns, so its bytes must be in place first.
+    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor],
+                local_pieces: Sequence[tuple[int, int]] | None = None) -> None:
+        # Peers may read `local` as soon as this returns on any rank, so its bytes must be in place first.
         torch.cuda.synchronize(self.device)
-        handle = self._symm_mem.rendezvous(whole, self.group)
+        if local_pieces is not None:
+            peers = self._map_peer_pieces(local, local_pieces)
+        elif self.owns(local):
+            peers = self._rendezvous(local)
+        else:
+            raise RuntimeShardError("the ce backend can only share a buffer it allocated (allocate_local) "
+                                    "or a zero-copy shard buffer")
+        for p, remote in enumerate(peers):
+            if remote is not None and remote.device != self.device:
+                raise RuntimeShardError(f"rank {p}'s buffer was mapped on {remote.device}, not on {self.device}")
+        self._local, self._peers = local, peers
+        dist.barrier(group=self.group)
+
+    def _rendezvous(self, local: torch.Tensor) -> list[torch.Tensor | None]:
+        _enable_group(self._symm_mem, self.group)
+        self._handle = self._symm_mem.rendezvous(local, self.group)
+        return [None if p == self.rank else self._handle.get_buffer(p, (local.numel(),), torch.uint8)
+                for p in range(self.world_size)]
+
+    def _map_peer_pieces(self, local: torch.Tensor, pieces: Sequence[tuple[int, int]]) -> list[torch.Tensor | None]:
+        """Export each allocation of the zero-copy shard buffer, and map every peer's in the same layout."""
+        mine = [vmm.export_fd(local.data_ptr() + at, self.device) for at, _ in pieces]
+        try:
+            everyone = exchange_fds(mine, self.group)
+        finally:
+            for fd in mine:
+                os.close(fd)
         peers: list[torch.Tensor | None] = []
-        for p in range(self.world_size):
+        for p, fds in enumerate(everyone):
             if p == self.rank:
                 peers.append(None)
                 continue
-            remote = handle.get_buffer(p, (whole.numel(),), torch.uint8)[pad:pad + local.numel()]
-            if remote.device != self.device:
-                raise RuntimeShardError(
-                    f"symmetric memory mapped rank {p}'s buffer on {remote.device}, not on {self.device}"
-                )
-            peers.append(remote)
-        self._handle, self._local, self._peers = handle, local, peers
-        dist.barrier(group=self.group)
+            imported: list[vmm.Physical] = []
+            try:
+                imported = [vmm.import_fd(fd, nbytes, self.device) for fd, (_, nbytes) in zip(fds, pieces)]
+                peers.append(vmm.map_pieces([vmm.Piece(at, phys) for (at, _), phys in zip(pieces, imported)],
+                                            local.numel(), self.device))
+            finally:
+                for phys in imported:
+                    phys.release()  # the mapping keeps the peer's memory alive here
+                for fd in fds:
+                    os.close(fd)
+        return peers
 
     def plan(self, chunk: torch.Tensor, out: torch.Tensor, *, in_place: bool = False,
              tags: Tags | None = None) -> GatherOp:

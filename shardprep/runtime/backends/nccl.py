@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 
 from .. import vmm
-from .base import GatherOp, Tags, group_and_rank
+from .base import GatherOp, PlainMemory, Tags, group_and_rank
 from .collective import all_gather_tagged
 
 
-class NcclBackend:
-    """All-gather through ProcessGroupNCCL on ordinary device memory (or VMM memory, for zero copy).
+class NcclBackend(PlainMemory):
+    """All-gather through ProcessGroupNCCL on ordinary device memory (or zero-copy views).
 
     The call is synchronous with respect to the stream it is made on: NCCL's internal stream waits
     for the work already on it, and later work on it waits for the gather. No Work is returned, so
@@ -32,23 +32,8 @@ class NcclBackend:
         self.device = torch.device(device)
         self._vmm_unavailable = vmm.unavailable(self.device)
 
-    def allocate_local(self, nbytes: int) -> torch.Tensor:
-        """The shard buffer: one VMM allocation where CUDA VMM works (so views can map its pages)."""
-        if self._vmm_unavailable is None:
-            return vmm.allocate(nbytes, self.device)
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def allocate_slot(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def owns(self, tensor: torch.Tensor) -> bool:
-        return tensor.device == self.device  # NCCL gathers from any device memory
-
     def zero_copy_unavailable(self) -> str | None:
         return self._vmm_unavailable
-
-    def connect(self, local: torch.Tensor, slots) -> None:
-        pass
 
     def plan(self, chunk: torch.Tensor, out: torch.Tensor, *, in_place: bool = False,
              tags: Tags | None = None) -> GatherOp:

@@ -96,7 +96,8 @@ class NcclSymmBackend(NcclBackend):
     def zero_copy_unavailable(self) -> str | None:
         return "nccl-symm gathers into NCCL symmetric windows from its own pool, which views cannot remap"
 
-    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
+    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor],
+                local_pieces: Sequence[tuple[int, int]] | None = None) -> None:
         if not self.owns(local):
             raise RuntimeShardError("the nccl-symm backend can only gather from a buffer it allocated (allocate_local)")
         torch.cuda.synchronize(self.device)
