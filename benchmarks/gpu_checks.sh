@@ -15,7 +15,8 @@ else
   export PYTHONPATH=$PWD
 fi
 case "${1:-checks}" in
-zero-copy)  # env: SCENARIOS, TEST_ARGS, TEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT, ZC_CHECK=1
+zero-copy)  # env: SCENARIOS, TEST_K (a pytest -k expression), TEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT, ZC_CHECK=1
+  K=(); if [ -n "${TEST_K:-}" ]; then K=(-k "$TEST_K"); fi
   { nvidia-smi -L
     python3 -c "import torch, cuda.bindings; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version(), cuda.bindings.__version__)"
     if [ "${ZC_CHECK:-0}" = 1 ]; then
@@ -24,7 +25,7 @@ zero-copy)  # env: SCENARIOS, TEST_ARGS, TEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT
     fi
   } >"$OUT/zc_check.log" 2>&1
   SHARDPREP_GPU_SCENARIOS=${SCENARIOS:-memory,zero-copy,backends} SHARDPREP_TEST_RESULTS_DIR=/tmp/results \
-    timeout "${TEST_TIMEOUT:-220}" python3 -m pytest -q -rA -p no:cacheprovider -m gpu ${TEST_ARGS:-} \
+    timeout "${TEST_TIMEOUT:-220}" python3 -m pytest -q -rA -p no:cacheprovider -m gpu ${K[@]+"${K[@]}"} \
     tests/test_gpu_runtime.py >"$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?" >>"$OUT/gpu_tests.log"
   tar -C /tmp -cf "$OUT/gpu_test_results.tar" results 2>/dev/null

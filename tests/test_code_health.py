@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PURE = ["shardprep.manifests.layout", "shardprep.manifests.manifest", "shardprep.prep.selection",
-        "shardprep.manifests.accounting", "shardprep.manifests.dtypes"]
+        "shardprep.manifests.accounting", "shardprep.manifests.dtypes", "shardprep.runtime.zero_copy"]
 
 
 @pytest.mark.parametrize("module", PURE)

@@ -270,7 +270,8 @@ class LayerGatherer:
         self._next_issue = j + 1
         self._gathers += 1
 
-    def _protect(self, slot: Slot, stream: torch.cuda.Stream) -> None:
+    def _protect(self, slot: Slot, stream: torch.cuda.Stream | None) -> None:
+        assert stream is not None, "CUDA gathers run on a stream"
         if slot.state is SlotState.RELEASED:
             # Protects the slot: its last reader's compute (done() recorded it) must finish before the overwrite.
             stream.wait_event(slot.done)
@@ -481,8 +482,9 @@ class LayerGatherer:
         mem = None
         if requested is not False and reason is None:
             try:
-                mem = zc.build(manifest, rank, self.device, self.num_slots, self.backend.shares_local)
-                shards.rehome(lambda nbytes: mem.shard_buffer)  # one copy, at startup
+                built = zc.build(manifest, rank, self.device, self.num_slots, self.backend.shares_local)
+                shards.rehome(lambda nbytes: built.shard_buffer)  # one copy, at startup
+                mem = built
                 reason = zc.own_chunks_alias(mem, manifest, rank, shards.buffer)
             except vmm.VmmError as exc:
                 reason = str(exc)

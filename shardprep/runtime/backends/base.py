@@ -113,9 +113,10 @@ def group_and_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, 
 
     >>> group, rank, world_size = group_and_rank(None)  # doctest: +SKIP
     """
-    if not dist.is_initialized():
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if world is None:
         raise RuntimeShardError("torch.distributed is not initialized; call dist.init_process_group() first")
-    group = group if group is not None else dist.group.WORLD
+    group = group if group is not None else world
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -138,15 +139,16 @@ class CopyEngineBackend:
         if not 0 <= offset <= local.numel() - c or out.numel() != c * self.world_size:
             raise RuntimeShardError("ce backend: the chunk is not inside the shared buffer, or out has the wrong size")
         # Same layout on every rank: a peer's chunk of this layer sits at the same offset of its buffer.
-        copies = [(out[p * c:(p + 1) * c], self._peers[p][offset:offset + c])
-                  for p in range(self.world_size) if p != self.rank]
+        copies = [(out[p * c:(p + 1) * c], peer[offset:offset + c])
+                  for p, peer in enumerate(self._peers) if peer is not None]
         if not in_place:  # last: the local copy is the cheapest lane
             copies.append((out[self.rank * c:(self.rank + 1) * c], chunk))
         first_dst, first_src = copies[0]
         lanes = [(s, dst, src, torch.cuda.Event()) for s, (dst, src) in zip(self._lanes, copies[1:])]
         fork = torch.cuda.Event()
 
-        def gather(stream: torch.cuda.Stream) -> None:
+        def gather(stream: torch.cuda.Stream | None) -> None:
+            assert stream is not None, "ce gathers run on a CUDA stream"
             fork.record(stream)
             for lane, dst, src, _ in lanes:
                 # Orders the lane's copy after what `stream` was told to wait for (the slot's last reader).
@@ -163,7 +165,7 @@ class CopyEngineBackend:
         return gather
 
 
-def _enable_group(symm_mem, group: dist.ProcessGroup) -> None:
+def _enable_group(symm_mem: Any, group: dist.ProcessGroup) -> None:
     # torch ≤ 2.8 needs the group registered for symmetric memory; later versions deprecate the call.
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is None or hasattr(enable, "__deprecated__"):

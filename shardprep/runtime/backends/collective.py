@@ -27,7 +27,7 @@ from .base import Tags
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_gather_into(out: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+def all_gather_into(out: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
     """`out` ← every rank's `chunk`, in rank order; a Work when `async_op`, else None.
 
     >>> all_gather_into(slot[:total], chunk, group)  # doctest: +SKIP
@@ -36,7 +36,7 @@ def all_gather_into(out: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessG
 
 
 def all_gather_tagged(out: torch.Tensor, chunk: torch.Tensor, tags: Tags | None, group: dist.ProcessGroup,
-                      *, coalesce: bool, async_op: bool = False):
+                      *, coalesce: bool, async_op: bool = False) -> Any:
     """`all_gather_into(out, chunk)` and, when `tags` is given, `tags.recv` ← every rank's `tags.send`.
 
     `coalesce=True` (NCCL) makes both one collective call; `coalesce=False` (gloo) issues two. With

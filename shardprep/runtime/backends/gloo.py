@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -31,7 +33,7 @@ class GlooBackend(PlainMemory):
         c = chunk.numel()
         send = out[self.rank * c:(self.rank + 1) * c] if in_place else chunk
 
-        def gather(stream: None = None):
+        def gather(stream: torch.cuda.Stream | None = None) -> Any:
             return all_gather_tagged(out, send, tags, group, coalesce=False, async_op=True)
 
         return gather

@@ -41,7 +41,7 @@ class NcclBackend(PlainMemory):
         c = chunk.numel()
         send = out[self.rank * c:(self.rank + 1) * c] if in_place else chunk
 
-        def gather(stream: torch.cuda.Stream) -> None:
+        def gather(stream: torch.cuda.Stream | None) -> None:
             with torch.cuda.stream(stream):
                 all_gather_tagged(out, send, tags, group, coalesce=True)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ class NcclSymmBackend(NcclBackend):
 
     def _open(self, cta_policy: int | None) -> None:
         ranks = dist.get_process_group_ranks(self.parent)
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if "device_id" in inspect.signature(dist.new_group).parameters:
             kwargs["device_id"] = self.device
         if self.parent is not dist.group.WORLD:
@@ -75,7 +76,7 @@ class NcclSymmBackend(NcclBackend):
                     os.environ.pop("NCCL_CTA_POLICY", None)
                 else:
                     os.environ["NCCL_CTA_POLICY"] = saved
-        self._impl = self.group._get_backend(self.device)
+        self._impl: Any = self.group._get_backend(self.device)
         self._pool = torch.cuda.MemPool(self._impl.mem_allocator)
         self._registered = False
         self._owned.clear()
