@@ -18,7 +18,7 @@ from ..errors import ShardprepError
 from .output_dir import check_output_dir, staged_directory
 from .plan import ConvertPlan, make_plan
 from .requant_jobs import RequantOptions
-from .selection import DEFAULT_LAYER_PATTERN, DEFAULT_LAYERS, Selection, load_preset, parse_layer_range
+from .selection import DEFAULT_LAYER_PATTERN, DEFAULT_LAYERS, Selection, load_preset, parse_layers
 from .source import open_source
 from .writer import Progress, write_plan
 
@@ -80,7 +80,6 @@ def convert(
     recipe). With `dry_run` nothing is written: the summary says what would be.
 
     >>> convert("Qwen/Qwen3-30B-A3B", "out/", ranks=8, preset="qwen3-moe")  # doctest: +SKIP
-    ConvertSummary(out='out/', world_size=8, layers=[1, 2, ...], ...)
     """
     t0 = time.perf_counter()
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
@@ -96,7 +95,7 @@ def convert(
     selection = Selection(
         targets=tuple(targets),
         preset=load_preset(preset) if preset else None,
-        layers=parse_layer_range(layers),
+        layers=parse_layers(layers),
         layer_pattern=layer_pattern or DEFAULT_LAYER_PATTERN,
     )
     plan = make_plan(ckpt, ranks, selection, requant)

@@ -48,8 +48,7 @@ def validate(directory: str | Path, source: str | Path | None = None) -> Validat
     missing); everything wrong with the directory itself is reported in `problems`.
 
     >>> report = validate("out/", source="my-model/")  # doctest: +SKIP
-    >>> report.ok, report.problems
-    (True, [])
+    >>> assert report.ok, report.problems  # doctest: +SKIP
     """
     root = Path(directory)
     if not root.is_dir():

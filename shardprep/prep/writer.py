@@ -128,29 +128,30 @@ def _write_replicated(directory: Path, plan: ConvertPlan, producers: dict[str, C
                       copy_mode: str, tracker: _Tracker) -> tuple[list[str], list[str], int, int]:
     ckpt = plan.source
     weight_map: dict[str, str] = {}
-    linked, copied = [], []
+    linked: list[str] = []
+    copied: list[str] = []
     for f in plan.replicated:
         sf = ckpt.files[f.name]
         dest = directory / f.name
         dest.parent.mkdir(parents=True, exist_ok=True)
         if f.tensors is None:
             (linked if _link_or_copy(sf.path, dest, copy_mode) else copied).append(f.name)
-            kept = sf.tensors
+            kept = list(sf.tensors)
         else:
             if not f.tensors:
                 continue  # every tensor of this file became a target: drop the file
             out = []
-            for t in f.tensors:
-                if t.name in producers:
-                    out.append(OutTensor(t.name, t.dtype, t.shape, producers[t.name]))
+            for spec in f.tensors:
+                if spec.name in producers:
+                    out.append(OutTensor(spec.name, spec.dtype, spec.shape, producers[spec.name]))
                 else:
-                    st = ckpt.tensors[t.name]
-                    out.append(OutTensor(t.name, t.dtype, t.shape, FileRange(sf.path, st.start, st.nbytes)))
+                    st = ckpt.tensors[spec.name]
+                    out.append(OutTensor(spec.name, spec.dtype, spec.shape, FileRange(sf.path, st.start, st.nbytes)))
             write_safetensors(dest, out, sf.metadata, progress=tracker)
             copied.append(f.name)
-            kept = [t.name for t in f.tensors]
-        for t in kept:
-            weight_map[t] = f.name
+            kept = [spec.name for spec in f.tensors]
+        for name in kept:
+            weight_map[name] = f.name
     total = sum(ckpt.tensors[t].nbytes for t in weight_map)
     index = {"metadata": {**ckpt.index_metadata, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_atomically(directory / REPLICATED_INDEX, json.dumps(index, indent=2) + "\n")

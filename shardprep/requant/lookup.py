@@ -138,7 +138,7 @@ def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[n
             table = round_to_bfloat16(table)
         table = encode_e4m3(table * (np.float32(1.0) / sf)[:, :, None])
     out = np.empty_like(blocks)
-    src, dst = memoryview(blocks).cast("B"), memoryview(out).cast("B")
+    src, dst = memoryview(blocks.data).cast("B"), memoryview(out.data).cast("B")
     tables = table.reshape(-1, 256)
     size = blocks.shape[2]
     for b in range(tables.shape[0]):

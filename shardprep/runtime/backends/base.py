@@ -124,7 +124,6 @@ def all_ranks_agree(ok: bool, group: dist.ProcessGroup, device: torch.device) ->
     """True when `ok` holds on every rank of `group` (a MIN all-reduce), so ranks never part ways.
 
     >>> all_ranks_agree(built_here, group, torch.device("cpu"))  # doctest: +SKIP
-    False
     """
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
@@ -179,7 +178,6 @@ def collective_device(group: dist.ProcessGroup, device: torch.device) -> torch.d
     """Where a small control tensor for `group` must live: CUDA for a NCCL group, else the CPU.
 
     >>> collective_device(nccl_group, torch.device("cuda", 0))  # doctest: +SKIP
-    device(type='cuda', index=0)
     """
     return device if device.type == "cuda" and "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
 

@@ -32,7 +32,6 @@ class NcclSymmBackend(NcclBackend):
 
     >>> backend = NcclSymmBackend(None, torch.device("cuda", rank))  # doctest: +SKIP
     >>> backend.symmetric, backend.cta_policy  # doctest: +SKIP
-    (True, None)
     """
 
     name = "nccl-symm"
