@@ -64,10 +64,9 @@ def unavailable(device: torch.device) -> str | None:
 
 
 def granularity(device: torch.device) -> int:
-    """The smallest size and alignment of a mapping on `device` (2 MiB on Hopper).
+    """The smallest size and alignment of a mapping on `device` (2 MiB on the H200).
 
-    >>> granularity(torch.device("cuda", 0))  # doctest: +SKIP
-    2097152
+    >>> gran = granularity(torch.device("cuda", 0))  # doctest: +SKIP
     """
     with _current(device):
         return int(_call("cuMemGetAllocationGranularity", _prop(device),
