@@ -217,7 +217,8 @@ class LayerGatherer:
     def wait(self, layer: int) -> dict[str, torch.Tensor]:
         """Issue the next layer's gather if not yet issued, wait for `layer`'s, and return its views.
 
-        The views stay valid until the layer's slot is reused: after done(layer) and a later gather.
+        The views stay valid until done(layer): from then on the gather that reuses the slot may be issued
+        (on CUDA it still waits for the compute queued before done()).
 
         >>> w = gatherer.wait(3)  # doctest: +SKIP
         """
