@@ -16,6 +16,26 @@ else
   export PYTHONPATH=$PWD
 fi
 case "${1:-checks}" in
+zero-copy)  # env: SCENARIOS, TEST_K (a pytest -k expression), TEST_TIMEOUT, BENCH_ARGS, BENCH_TIMEOUT, ZC_CHECK=1
+  K=(); if [ -n "${TEST_K:-}" ]; then K=(-k "$TEST_K"); fi
+  { nvidia-smi -L
+    python3 -c "import torch, cuda.bindings; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version(), cuda.bindings.__version__)"
+    if [ "${ZC_CHECK:-0}" = 1 ]; then
+      timeout 90 python3 benchmarks/check_zero_copy_gpu.py --out "$OUT/zc_facts.json"; echo "check_zero_copy_gpu rc=$?"
+      timeout 30 python3 benchmarks/check_zero_copy_gpu.py --control; echo "control rc=$?"
+    fi
+  } >"$OUT/zc_check.log" 2>&1
+  SHARDPREP_GPU_SCENARIOS=${SCENARIOS:-memory,zero-copy,backends} SHARDPREP_TEST_RESULTS_DIR=/tmp/results \
+    timeout "${TEST_TIMEOUT:-220}" python3 -m pytest -q -rA -p no:cacheprovider -m gpu ${K[@]+"${K[@]}"} \
+    tests/test_gpu_runtime.py >"$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?" >>"$OUT/gpu_tests.log"
+  tar -C /tmp -cf "$OUT/gpu_test_results.tar" results 2>/dev/null
+  timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_gather.py --backends ce,nccl --no-fsdp --no-graphs --no-cta2 \
+    ${BENCH_ARGS:---tokens 16,1024 --iters 10} --out "$OUT/bench_gather.json" >"$OUT/bench_gather.log" 2>&1
+  echo "bench_gather rc=$?" >>"$OUT/bench_gather.log"
+  tail -n 8 "$OUT/zc_check.log"; grep -E "passed|failed|rc=|Error|assert" "$OUT/gpu_tests.log" | tail -n 30
+  tail -n 60 "$OUT/bench_gather.log"
+  ;;
 plan)
   # bench_plan on 2 GPUs (the MEASURED.md stack: profile, plan, measure 3 layer choices), then the profile and
   # plan test on a converted llama through the CLI.
