@@ -1,10 +1,11 @@
 """How convert moves bytes: kernel copies of adjacent tensors in one call, writes from memory through a
-pipe or pwrite with the same result, every output file on disk before the manifest, and a failed copy
-leaving nothing behind."""
+pipe or pwrite with the same result, the disk write of every data byte started while convert runs, and a
+failed copy leaving nothing behind."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import numpy as np
@@ -15,7 +16,6 @@ from safetensors import safe_open
 import shardprep.prep.file_ranges as file_ranges
 import shardprep.prep.safetensors_writer as safetensors_writer
 import shardprep.prep.writeback as writeback_module
-import shardprep.prep.writer as writer_module
 from shardprep.errors import OutputError
 from shardprep.prep.convert import convert
 from shardprep.prep.safetensors_writer import FileRange, OutTensor, write_safetensors
@@ -86,27 +86,28 @@ def test_a_refused_splice_falls_back_to_pwrite_without_losing_bytes(tmp_path, mo
     assert moved and refused == plain
 
 
-def test_every_output_file_is_on_disk_before_the_manifest_is_written(checkpoint_cache, tmp_path, monkeypatch):
+def test_the_disk_write_of_every_data_byte_starts_during_convert(checkpoint_cache, tmp_path, monkeypatch):
     src = checkpoint_cache("llama", sharded=True)
-    events = []
-    real_fsync, real_write = writeback_module.os.fsync, writer_module.write_atomically
+    started: dict[str, list[tuple[int, int]]] = {}
 
-    def fsync(fd):
-        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
-        real_fsync(fd)
+    def record(fd, offset, nbytes, flags):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        started.setdefault(name, []).append((offset, offset + nbytes))
+        return 0
 
-    def write_atomically(path, text):
-        events.append(("write", path.name))
-        real_write(path, text)
-
-    monkeypatch.setattr(writeback_module.os, "fsync", fsync)
-    monkeypatch.setattr(writer_module, "write_atomically", write_atomically)
+    monkeypatch.setattr(writeback_module, "_sync_file_range", record)
+    fds_before = len(os.listdir("/proc/self/fd"))
     out = tmp_path / "out"
-    convert(src, out, 2, preset="llama", copy_mode="copy")
-    data_files = {p.name for p in out.rglob("*") if p.suffix in (".bin", ".safetensors")}
-    synced = [i for i, (kind, name) in enumerate(events) if kind == "fsync" and name in data_files]
-    assert data_files and data_files == {events[i][1] for i in synced}
-    assert events.index(("write", "shard_manifest.json")) > max(synced)
+    summary = convert(src, out, 2, preset="llama", copy_mode="copy")
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # no descriptor kept for the writeback
+    m = json.loads((out / "shard_manifest.json").read_text())
+    for rank_file in m["rank_files"]:  # every layer's chunk of every rank
+        chunks = {(lay["file_offset"], lay["file_offset"] + lay["chunk_bytes"]) for lay in m["layers"]}
+        assert set(started[os.path.basename(rank_file)]) == chunks
+    for name in summary.copied_files:  # every byte of every rewritten or copied file
+        ranges = sorted(started[os.path.basename(name)])
+        assert ranges[0][0] == 0 and ranges[-1][1] == (out / name).stat().st_size
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def test_a_failed_replicated_copy_leaves_nothing_behind(checkpoint_cache, tmp_path, monkeypatch):
@@ -117,7 +118,7 @@ def test_a_failed_replicated_copy_leaves_nothing_behind(checkpoint_cache, tmp_pa
 
     monkeypatch.setattr(safetensors_writer, "copy_range", no_space)
     out = tmp_path / "out"
-    with pytest.raises(OutputError, match=r"model-0000\d-of-0000\d\.safetensors: writing failed"):
+    with pytest.raises(OutputError, match=r"model-0000\d-of-0000\d\.safetensors: no space left on device"):
         convert(src, out, 2, preset="llama", copy_mode="copy")
     assert not out.exists() and list(tmp_path.iterdir()) == []
     monkeypatch.undo()

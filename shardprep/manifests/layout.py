@@ -123,12 +123,12 @@ def plan_layer(
     order: list[str] = []
     placed_groups: set[str] = set()
     for name in sorted(by_name):
-        g = group_of.get(name)
-        if g is None:
+        group = group_of.get(name)
+        if group is None:
             order.append(name)
-        elif g.name not in placed_groups:
-            placed_groups.add(g.name)
-            order.extend(g.members)
+        elif group.name not in placed_groups:
+            placed_groups.add(group.name)
+            order.extend(group.members)
 
     entries: list[Entry] = []
     offset = 0

@@ -285,7 +285,6 @@ def load_manifest(directory: str | Path, *, check: bool = True) -> Manifest:
     """Read and validate `DIR/shard_manifest.json`.
 
     >>> load_manifest("out/")  # doctest: +SKIP
-    Manifest(world_size=8, ...)
     """
     path = Path(directory) / MANIFEST_NAME
     try:

@@ -146,7 +146,7 @@ def read_array(t: SourceTensor, path: str, dtype: Any) -> np.ndarray:
 
     raw = np.empty(t.nbytes, dtype=np.uint8)
     with open(path, "rb") as f:
-        pread_exact(f.fileno(), raw.data, t.start, path)
+        pread_exact(f.fileno(), memoryview(raw.data), t.start, path)
     return raw.view(dtype)
 
 
@@ -319,7 +319,6 @@ def plan_requant(ckpt: SourceCheckpoint, targets: set[str], options: RequantOpti
 
     >>> plan = plan_requant(open_source("deepseek-fp8/"), set(), RequantOptions())  # doctest: +SKIP
     >>> plan.manifest_record  # doctest: +SKIP
-    {'method': 'fp8', 'block': [128, 128], 'recipe': 'sglang', 'scale_format': 'f32', 'scope': 'all'}
     """
     if options.mode == RequantMode.NONE:
         return None

@@ -61,7 +61,6 @@ def write_safetensors(
     comes. With `writeback`, the disk write of each finished piece starts at once.
 
     >>> write_safetensors("x.safetensors", [OutTensor("a", "F32", (1,), b"\\0\\0\\x80?")])  # doctest: +SKIP
-    4
     """
     header: dict[str, object] = {}
     if metadata:
@@ -77,7 +76,7 @@ def write_safetensors(
     sources: dict[Path, int] = {}
     try:
         pwrite_all(fd, head, 0)
-        pos = started = len(head)
+        pos, started = len(head), 0
         for data, nbytes in _runs(tensors):
             if isinstance(data, FileRange):
                 if data.path not in sources:
@@ -97,7 +96,7 @@ def write_safetensors(
             if progress:
                 progress(nbytes)
         if writeback is not None:
-            writeback.start(path, started, pos - started)  # the tail, and the file for the final fsync
+            writeback.start(path, started, pos - started)
     finally:
         for src in sources.values():
             os.close(src)

@@ -75,7 +75,6 @@ class SourceCheckpoint:
         """One tensor's bytes, straight from its file.
 
         >>> ckpt.read_tensor("model.norm.weight")[:4]  # doctest: +SKIP
-        b'\\x80?\\x80?'
         """
         t = self.tensors[name]
         data = bytearray(t.nbytes)
@@ -114,7 +113,6 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], dict[str,
 
     >>> tensors, meta, data_start = read_safetensors_header("model.safetensors")  # doctest: +SKIP
     >>> tensors["lm_head.weight"]["dtype"]  # doctest: +SKIP
-    'BF16'
     """
     path = Path(path)
     try:
@@ -173,7 +171,6 @@ def resolve_source(src: str | Path, revision: str | None = None) -> tuple[Path, 
     HF_HUB_OFFLINE=1 is honoured: the snapshot must then already be in the cache.
 
     >>> resolve_source("my-model/")  # doctest: +SKIP
-    (PosixPath('my-model'), None, None)
     """
     path = Path(src)
     if path.exists():
@@ -184,7 +181,7 @@ def resolve_source(src: str | Path, revision: str | None = None) -> tuple[Path, 
     if not REPO_ID.match(text) or text.startswith((".", "/")):
         raise SourceError(f"{src}: no such directory (and not a hub repo id)")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     patterns = ["*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.py", "*.jinja", "*.md"]
     try:
@@ -201,17 +198,46 @@ def resolve_source(src: str | Path, revision: str | None = None) -> tuple[Path, 
     return local_path, text, local_path.name if revision is None or revision != local_path.name else revision
 
 
+def source_boundary(root: Path) -> Path:
+    """The directory a source's symlinks may point into: the source itself, or for a huggingface_hub
+    snapshot (`models--org--name/snapshots/<commit>/`) the whole repo cache directory, whose blobs/ the
+    snapshot's files link to.
+
+    >>> source_boundary(Path("~/.cache/huggingface/hub/models--org--name/snapshots/abc123"))  # doctest: +SKIP
+    """
+    real = root.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        return real.parent.parent
+    return real
+
+
+def check_inside(path: Path, root: Path, boundary: Path) -> None:
+    """Refuse a source file that is (or passes through) a symlink leading out of `boundary`.
+
+    Convert copies what it reads into OUT, so following such a link would publish an unrelated file
+    (a `config.json -> /etc/...`) next to the weights.
+
+    >>> root = Path("my-model")
+    >>> check_inside(root / "config.json", root, source_boundary(root))  # doctest: +SKIP
+    """
+    real = path.resolve()
+    if not real.is_relative_to(boundary):
+        raise SourceError(f"{path}: is a symlink to {real}, outside the source {root}; "
+                          "copy the file into the model directory instead of linking it")
+
+
 def open_source(src: str | Path, revision: str | None = None) -> SourceCheckpoint:
     """Parse a checkpoint's safetensors headers (single file or sharded with an index).
 
     >>> ckpt = open_source("my-model/")  # doctest: +SKIP
     >>> ckpt.tensors["model.layers.1.self_attn.o_proj.weight"].shape  # doctest: +SKIP
-    (4096, 4096)
     """
     root, repo_id, rev = resolve_source(src, revision)
+    boundary = source_boundary(root)
     index_path = root / INDEX_NAME
     index_metadata: dict[str, Any] = {}
     if index_path.exists():
+        check_inside(index_path, root, boundary)
         try:
             index = json.loads(index_path.read_text())
             weight_map = index["weight_map"]
@@ -236,6 +262,7 @@ def open_source(src: str | Path, revision: str | None = None) -> SourceCheckpoin
             raise SourceError(f"{index_path}: shard {name!r} is outside the model directory")
         if not path.exists():
             raise SourceError(f"{index_path}: names shard {name!r}, which is missing from {root}")
+        check_inside(path, root, boundary)
         header, metadata, data_start = read_safetensors_header(path)
         files[name] = SourceFile(name, path, path.stat().st_size, list(header), metadata)
         for tname, info in header.items():
@@ -258,4 +285,6 @@ def open_source(src: str | Path, revision: str | None = None) -> SourceCheckpoin
             and str(p.relative_to(root)) not in weight_files
             and not any(p.match(g) for g in OTHER_WEIGHT_GLOBS))
     )
+    for rel in other:
+        check_inside(root / rel, root, boundary)
     return SourceCheckpoint(root, files, tensors, other, repo_id, rev, index_metadata)

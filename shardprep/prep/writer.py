@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,7 @@ from ..errors import OutputError
 from ..manifests.layout import chunk_range
 from ..manifests.manifest import MANIFEST_NAME, REPLICATED_INDEX, LayerRecord, Manifest, rank_file_name
 from .file_ranges import pwrite_all
+from .output_dir import writing
 from .plan import ConvertPlan, ReplicatedFile
 from .requant_jobs import RequantRunner
 from .safetensors_writer import FileRange, OutTensor, write_safetensors
@@ -87,10 +89,6 @@ def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         linked, copied, rep_tensors, rep_bytes = replicated.write_index(results)
-        try:
-            writeback.finish()
-        except OSError as exc:
-            raise OutputError(f"{directory.parent}: writing the output to disk failed ({exc.strerror})") from None
     _copy_other_files(directory, plan)
     manifest = replace(plan.skeleton_manifest(), layers=tuple(records), created_by=f"shardprep {__version__}")
     Manifest.from_dict(manifest.to_dict())  # the same checks a reader will run, before anything is visible
@@ -129,11 +127,13 @@ def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, C
                 lo, hi = chunk_range(r, lay.chunk_bytes)
                 chunk = flat[lo:hi]
                 sums.append(xxhash.xxh3_128_hexdigest(chunk))
-                pwrite_all(fd, chunk, file_offset)
-                writeback.start(rank_paths[r], file_offset, len(chunk))  # fsynced in write_plan, with the rest
+                with writing(rank_paths[r]):
+                    pwrite_all(fd, chunk, file_offset)
+                writeback.start(rank_paths[r], file_offset, len(chunk))
             records.append(LayerRecord.from_layout(lay, file_offset, tuple(sums)))
-        for fd in rank_fds:
-            os.ftruncate(fd, plan.rank_file_bytes)
+        for r, fd in enumerate(rank_fds):
+            with writing(rank_paths[r]):
+                os.ftruncate(fd, plan.rank_file_bytes)
     except OSError as exc:
         raise OutputError(f"{directory.parent}: writing rank files failed ({exc.strerror or exc})") from None
     finally:
@@ -165,24 +165,23 @@ class _ReplicatedWriter:
         dest = self.directory / f.name
         if f.tensors is not None and not f.tensors:
             return None  # every tensor of this file became a target: drop the file
-        try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if f.tensors is None:
-                linked = _link_or_copy(sf.path, dest, self.copy_mode)
-                if not linked:
-                    self.writeback.start(dest, 0, sf.size)
-                return linked, sf.tensors
-            out = []
-            for t in f.tensors:
-                if t.name in self.producers:
-                    out.append(OutTensor(t.name, t.dtype, t.shape, self.producers[t.name]))
-                else:
-                    st = self.plan.source.tensors[t.name]
-                    out.append(OutTensor(t.name, t.dtype, t.shape, FileRange(sf.path, st.start, st.nbytes)))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if f.tensors is None:
+            linked = _link_or_copy(sf.path, dest, self.copy_mode)
+            if not linked:
+                self.writeback.start(dest, 0, sf.size)
+            return linked, list(sf.tensors)
+        out = []
+        for spec in f.tensors:
+            if spec.name in self.producers:
+                out.append(OutTensor(spec.name, spec.dtype, spec.shape, self.producers[spec.name]))
+            else:
+                st = self.plan.source.tensors[spec.name]
+                out.append(OutTensor(spec.name, spec.dtype, spec.shape, FileRange(sf.path, st.start, st.nbytes)))
+        with writing(dest):
             write_safetensors(dest, out, sf.metadata, progress=self.tracker, writeback=self.writeback)
-        except OSError as exc:
-            raise OutputError(f"{dest}: writing failed ({exc.strerror or exc})") from None
-        return False, [t.name for t in f.tensors]
+            _keep_mode(sf.path, dest)
+        return False, [spec.name for spec in f.tensors]
 
     def write_index(self, results: dict[str, tuple[bool, list[str]] | None]) -> tuple[list[str], list[str], int, int]:
         """The replicated index, from every file's result: (linked files, copied files, tensors, bytes)."""
@@ -205,7 +204,7 @@ class _ReplicatedWriter:
 
 
 def _link_or_copy(src: Path, dest: Path, mode: str) -> bool:
-    """Hard-link when allowed and possible (same filesystem); returns True when linked."""
+    """Hard-link when allowed and possible (same filesystem); returns True when linked. A copy keeps the mode."""
     real = src.resolve()  # hub snapshots are symlinks into blobs/: link the blob itself
     if mode in ("auto", "link"):
         try:
@@ -214,7 +213,9 @@ def _link_or_copy(src: Path, dest: Path, mode: str) -> bool:
         except OSError as exc:
             if mode == "link":
                 raise OutputError(f"{dest}: cannot hard-link {real} ({exc.strerror}); use --copy-mode copy") from None
-    shutil.copyfile(real, dest)
+    with writing(dest):
+        shutil.copyfile(real, dest)
+        _keep_mode(real, dest)
     return False
 
 
@@ -222,21 +223,65 @@ def _copy_other_files(directory: Path, plan: ConvertPlan) -> None:
     ckpt = plan.source
     config_update = plan.requant.config_update if plan.requant else None
     for rel in plan.other_files:
-        dest = directory / rel
+        src, dest = (ckpt.root / rel).resolve(), directory / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if rel == "config.json" and config_update:
-            config = ckpt.config or {}
-            config.update(config_update)
-            write_atomically(dest, json.dumps(config, indent=2) + "\n")
-        else:
-            shutil.copyfile((ckpt.root / rel).resolve(), dest)
+        with writing(dest):
+            if rel == "config.json" and config_update:
+                config = ckpt.config or {}
+                config.update(config_update)
+                write_atomically(dest, json.dumps(config, indent=2) + "\n")
+            else:
+                shutil.copyfile(src, dest)
+            _keep_mode(src, dest)
+
+
+def _keep_mode(src: Path, dest: Path) -> None:
+    # Permission bits only: a setuid/setgid/sticky bit on a model file is never wanted in a copy.
+    os.chmod(dest, stat.S_IMODE(os.stat(src).st_mode) & 0o777)
+
+
+def output_bytes(plan: ConvertPlan, out: Path, copy_mode: str = "auto") -> int:
+    """Disk bytes `write_plan` will need next to `out` (an upper bound; a hard link costs nothing).
+
+    Rank files, rewritten safetensors files (header bounded by the source's), copied files, the index
+    and the manifest, each rounded up to 4 KiB blocks. Files that will be hard-linked count as 0 when
+    the source is on the destination's filesystem.
+
+    >>> needed = output_bytes(plan, Path("out/"))  # doctest: +SKIP
+    """
+    def blocks(n: int) -> int:
+        return -(-n // 4096) * 4096
+
+    dest_dev = os.stat(_nearest_existing(Path(os.path.abspath(out)))).st_dev
+    ckpt = plan.source
+    total = plan.world_size * blocks(plan.rank_file_bytes)
+    for f in plan.replicated:
+        sf = ckpt.files[f.name]
+        if f.tensors is None:
+            linked = copy_mode != "copy" and os.stat(sf.path).st_dev == dest_dev
+            total += 0 if linked else blocks(sf.size)
+        elif f.tensors:
+            header = min(ckpt.tensors[name].start for name in sf.tensors)  # 8 + the source header
+            total += blocks(header + sum(t.nbytes for t in f.tensors))
+    for rel in plan.other_files:
+        total += blocks(os.stat(ckpt.root / rel).st_size)
+    # The index and the manifest: a few hundred bytes per tensor at most.
+    total += blocks(1024 * (len(ckpt.tensors) + 16))
+    return total
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
 
 
 def write_atomically(path: Path, text: str) -> None:
     """Write a small text file under a temporary name, fsync it, then rename it into place."""
     part = path.with_name(path.name + ".part")
-    with open(part, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
+    with writing(path):
+        with open(part, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)

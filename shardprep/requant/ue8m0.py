@@ -8,6 +8,7 @@ do. docs/requant.md states it step by step and says why each step is the way it 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -82,10 +83,10 @@ def requant_ue8m0(
             row1 = min(n, row0 + rows_per_pass)
             stripes = slice(row0 // block_n, -(-row1 // block_n))
             codes, scale = weights[expert, row0:row1].to(run_on), scales[expert, stripes].to(run_on)
-            fast = _requant_by_table(codes, scale, block, recipe) if run_on.type != "cpu" else None
-            if fast is not None:
-                q_flat[expert, row0:row1] = fast[0][: row1 - row0, :k].view(torch.float8_e4m3fn).cpu()
-                s_flat[expert, stripes] = fast[1].cpu()
+            by_table = _requant_by_table(codes, scale, block, recipe) if run_on.type != "cpu" else None
+            if by_table is not None:
+                q_flat[expert, row0:row1] = by_table[0][: row1 - row0, :k].view(torch.float8_e4m3fn).cpu()
+                s_flat[expert, stripes] = by_table[1].cpu()
                 continue
             x = _dequantize(codes, scale, block, recipe)
             if not allow_nonfinite:
@@ -259,16 +260,17 @@ def _check_inputs(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[in
                            f"for {block[0]}x{block[1]} blocks, got {tuple(scale_inv.shape)}")
 
 
-def _source_index(expert: int, batch: list[int], row0: int):
+def _source_index(expert: int, batch: list[int], row0: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
     """Maps an index in one pass's rows back to an index in the caller's tensor, for error messages."""
-    lead = []
+    lead: list[int] = []
     for size in reversed(batch):
         expert, i = divmod(expert, size)
         lead.insert(0, i)
     return lambda index: (*lead, row0 + index[0], index[1])
 
 
-def _refuse_nonfinite(x: torch.Tensor, name: str, *, what: str, to_source_index=None) -> None:
+def _refuse_nonfinite(x: torch.Tensor, name: str, *, what: str,
+                      to_source_index: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None) -> None:
     bad = ~torch.isfinite(x)
     if not bool(bad.any()):
         return
