@@ -89,6 +89,7 @@ def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         linked, copied, rep_tensors, rep_bytes = replicated.write_index(results)
+        writeback.finish()
     _copy_other_files(directory, plan)
     manifest = replace(plan.skeleton_manifest(), layers=tuple(records), created_by=f"shardprep {__version__}")
     Manifest.from_dict(manifest.to_dict())  # the same checks a reader will run, before anything is visible
