@@ -13,7 +13,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -84,8 +84,8 @@ def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
             early = {f.name: pool.submit(replicated.write, f) for f in plan.replicated
                      if not replicated.takes_producers(f)}
             records = _write_rank_files(directory, plan, producers, tracker, writeback)
-            late = {f.name: _done(replicated.write(f)) for f in plan.replicated if f.name not in early}
-            results = {name: future.result() for name, future in {**early, **late}.items()}
+            results = {f.name: replicated.write(f) for f in plan.replicated if f.name not in early}
+            results.update({name: future.result() for name, future in early.items()})
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         linked, copied, rep_tensors, rep_bytes = replicated.write_index(results)
@@ -143,12 +143,6 @@ def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, C
     return records
 
 
-def _done(value: Any) -> Future[Any]:
-    future: Future[Any] = Future()
-    future.set_result(value)
-    return future
-
-
 class _ReplicatedWriter:
     """Writes the replicated part, one file per call (from any thread), then its index."""
 
@@ -158,7 +152,7 @@ class _ReplicatedWriter:
         self.copy_mode, self.tracker, self.writeback = copy_mode, tracker, writeback
 
     def takes_producers(self, f: ReplicatedFile) -> bool:
-        return bool(f.tensors) and any(t.name in self.producers for t in f.tensors or ())
+        return any(t.name in self.producers for t in f.tensors or ())
 
     def write(self, f: ReplicatedFile) -> tuple[bool, list[str]] | None:
         """Link, copy or rewrite one file: (linked, the tensors it keeps), or None when it is dropped."""
