@@ -36,6 +36,9 @@ def convert_command(
     = False,
     device: Annotated[str, typer.Option(help="Device for requantization: cpu or cuda.")] = "cpu",
     workers: Annotated[int, typer.Option(help="Requant worker threads (0 = one per core).")] = 0,
+    chunk_alignment: Annotated[str, typer.Option(help="auto: 2MiB when its padding costs <= 1% of the sharded "
+                                                      "bytes, else none; none: 16 bytes; or a size like 2MiB "
+                                                      "(for the zero-copy runtime).")] = "auto",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary.")] = False,
 ) -> None:
@@ -48,7 +51,8 @@ def convert_command(
                                  allow_nonfinite=allow_nonfinite, device=device, workers=workers)
         summary = convert(
             src, out, ranks, targets=target or (), preset=preset, layers=layers, layer_pattern=layer_pattern,
-            revision=revision, copy_mode=copy_mode, overwrite=overwrite, requant=options, progress=progress,
+            revision=revision, copy_mode=copy_mode, overwrite=overwrite, requant=options,
+            chunk_alignment=chunk_alignment, progress=progress,
         )
     if json_out:
         print_json(summary.to_dict())
@@ -56,7 +60,9 @@ def convert_command(
         typer.echo(
             f"wrote {summary.out}: {len(summary.layers)} layers, {summary.target_tensors} target tensors "
             f"({human_bytes(summary.target_bytes)}) in {summary.world_size} rank files of "
-            f"{human_bytes(summary.rank_file_bytes)}; {summary.replicated_tensors} replicated tensors "
+            f"{human_bytes(summary.rank_file_bytes)} (chunk alignment {human_bytes(summary.chunk_alignment)}, "
+            f"{human_bytes(summary.alignment_padding_bytes)} of alignment padding per rank); "
+            f"{summary.replicated_tensors} replicated tensors "
             f"({human_bytes(summary.replicated_bytes)}, {len(summary.linked_files)} files linked); "
             + (f"{summary.requantized_tensors} tensors requantized; " if summary.requantized_tensors else "")
             + f"{summary.seconds:.1f} s"
