@@ -28,7 +28,8 @@ def inspect_command(
     from rich.table import Table
 
     n = info["world_size"]
-    table = Table(title=f"{out}  (N = {n})")
+    table = Table(title=f"{out}  (format v{info['format_version']}, N = {n}, chunk alignment "
+                        f"{human_bytes(info['chunk_alignment'])})")
     for col in ("layer", "entries", "fused views", "|T|", "C = |T|/N", "file offset"):
         table.add_column(col, justify="right")
     for r in info["layers"]:
@@ -46,6 +47,7 @@ def inspect_command(
         ("memory saved per rank", t["saved_bytes"]),
         ("AllGather bytes received per forward ((N−1)/N·Σ|T|)", t["gather_recv_bytes_per_forward"]),
         ("non-target (replicated part, unchanged)", t["non_target_bytes"]),
+        ("alignment padding in each rank's file and buffer", t["alignment_padding_bytes"]),
     ]
     for label, value in rows:
         totals.add_row(label, human_bytes(value))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .layout import alignment_padding_bytes, used_bytes
 from .manifest import Manifest
 
 
@@ -24,6 +25,7 @@ class MemoryAccount:
     saved_bytes: int
     gather_recv_bytes_per_forward: int
     non_target_bytes: int
+    alignment_padding_bytes: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -32,7 +34,8 @@ class MemoryAccount:
 def account(manifest: Manifest, non_target_bytes: int = 0, num_slots: int = 2) -> MemoryAccount:
     """Per-rank memory and AllGather traffic of a sharded deployment.
 
-    resident = R/N + num_slots·max|T|; received per forward = (N−1)/N·Σ|T|.
+    resident = R/N + num_slots·max|T|; received per forward = (N−1)/N·Σ|T|. `alignment_padding_bytes`
+    is the padding in each rank's file and device buffer (docs/format.md, "Chunk alignment").
 
     >>> from shardprep.manifests import plan_layer, TensorSpec, LayerRecord, Manifest
     >>> lay = plan_layer(1, [TensorSpec("layers.1.w", "BF16", (64, 64))], world_size=4)
@@ -58,4 +61,7 @@ def account(manifest: Manifest, non_target_bytes: int = 0, num_slots: int = 2) -
         saved_bytes=total - resident,
         gather_recv_bytes_per_forward=total - local,
         non_target_bytes=non_target_bytes,
+        alignment_padding_bytes=alignment_padding_bytes(
+            manifest.rank_file_bytes, manifest.rank_header_json_bytes,
+            [used_bytes(r.entries) for r in manifest.layers], n),
     )

@@ -8,6 +8,7 @@ every offset in it can be trusted by the loader and the runtime. Format version 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import cache, cached_property
 from importlib import resources
@@ -28,7 +29,7 @@ from .layout import (
 )
 from .paths import is_safe_relpath
 from .problems import Problem, quoted
-from .rank_file import plan_rank_file, rank_file_header, rank_file_name
+from .rank_file import header_json, plan_rank_file, rank_file_header, rank_file_name
 from .strict_json import is_int, read_json_file
 
 FORMAT = "shardprep/weight-shard"
@@ -115,6 +116,17 @@ class Manifest:
         if self.version == 1:
             return b""
         return rank_file_header([(r.layer, r.file_offset, r.chunk_bytes) for r in self.layers], self.world_size)
+
+    @property
+    def rank_header_json_bytes(self) -> int:
+        """8 + the length of the rank files' JSON header: the bytes before the first chunk that are not padding.
+
+        0 for version 1 files, which have no header.
+        """
+        if self.version == 1 or not self.layers:
+            return 0
+        text = header_json([(r.layer, r.file_offset, r.chunk_bytes) for r in self.layers], self.world_size)
+        return min(self.layers[0].file_offset, 8 + len(text))
 
     def layer(self, index: int) -> LayerRecord:
         for r in self.layers:
@@ -268,7 +280,8 @@ def _validate_schema(data: Any, where: str) -> int:
                             f"versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade shardprep or re-run "
                             "convert", code="manifest_version")
     try:
-        error = jsonschema.exceptions.best_match(_validator(version if readable else VERSION).iter_errors(data))
+        validator = _validator(version if readable else VERSION)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(_for_schema(data)))
     except RecursionError:
         raise ManifestError(f"{where}: nested too deeply to be a manifest", code="manifest_schema") from None
     if error is not None:
@@ -279,6 +292,33 @@ def _validate_schema(data: Any, where: str) -> int:
         raise ManifestError(f"{where}: schema violation at {path[:200]}: {message}", code="manifest_schema")
     assert isinstance(version, int)
     return version
+
+
+def _for_schema(data: Any) -> Any:
+    """`data` with the lists that grow with N cut to their first item when every item is already valid.
+
+    jsonschema spends ~100 µs per item, and there are N rank files and layers × N digests (seconds at N
+    in the thousands, on every rank at startup); checked here with a regex or `is_safe_relpath` each (the
+    invariants check every path again), the schema still sees one of them.
+    """
+    if not isinstance(data, dict):
+        return data
+    files = data.get("rank_files")
+    if isinstance(files, list) and len(files) > 1 and all(is_safe_relpath(f) for f in files):
+        data = {**data, "rank_files": files[:1]}
+    layers = data.get("layers")
+    if not isinstance(layers, list):
+        return data
+    cut = []
+    for layer in layers:
+        sums = layer.get("checksums") if isinstance(layer, dict) else None
+        if isinstance(sums, list) and len(sums) > 1 and all(isinstance(c, str) and _DIGEST.fullmatch(c) for c in sums):
+            layer = {**layer, "checksums": sums[:1]}
+        cut.append(layer)
+    return {**data, "layers": cut}
+
+
+_DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
 def check_invariants(m: Manifest) -> list[Problem]:

@@ -7,7 +7,7 @@ it. Absolute paths, `..`, `.`, empty parts, backslashes, drive letters, NUL and 
 from __future__ import annotations
 
 import os
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from ..errors import IntegrityError
 from .problems import quoted
@@ -27,11 +27,9 @@ def is_safe_relpath(p: object) -> bool:
         p.encode("utf-8")
     except UnicodeEncodeError:
         return False
-    raw_parts = p.split("/")
-    if any(part in ("", ".", "..") for part in raw_parts):
-        return False  # also refuses "a//b", "a/./b", "./a" and a trailing "/"
-    parts = PurePosixPath(p).parts
-    return bool(parts) and not PurePosixPath(p).is_absolute() and ":" not in parts[0]
+    parts = p.split("/")
+    # An empty part also refuses "/abs", "a//b" and a trailing "/"; a colon in the first, "C:x".
+    return not any(part in ("", ".", "..") for part in parts) and ":" not in parts[0]
 
 
 def resolve_inside(root: str | Path, rel: object, *, what: str = "file") -> Path:

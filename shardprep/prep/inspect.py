@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from ..errors import IntegrityError, ManifestError
 from ..manifests.accounting import account
 from ..manifests.manifest import load_manifest
+from ..manifests.paths import resolve_inside
+from ..manifests.replicated import MAX_INDEX_BYTES
+from ..manifests.strict_json import is_int, read_json_file
 
 
 def inspect(directory: str | Path, num_slots: int = 2) -> dict[str, Any]:
@@ -19,15 +22,16 @@ def inspect(directory: str | Path, num_slots: int = 2) -> dict[str, Any]:
     """
     root = Path(directory)
     m = load_manifest(root)
-    non_target = 0
-    index = root / m.replicated_index
-    if index.is_file():
-        non_target = int((json.loads(index.read_text()).get("metadata") or {}).get("total_size", 0))
-    totals = account(m, non_target_bytes=non_target, num_slots=num_slots).to_dict()
+    totals = account(m, non_target_bytes=_non_target_bytes(root, m.replicated_index),
+                     num_slots=num_slots).to_dict()
     return {
         "directory": str(root),
+        "format_version": m.version,
         "world_size": m.world_size,
+        "chunk_alignment": m.chunk_alignment,
         "quantization": m.quantization,
+        "source": m.source,
+        "selection": m.selection,
         "layers": [
             {
                 "layer": r.layer,
@@ -41,3 +45,17 @@ def inspect(directory: str | Path, num_slots: int = 2) -> dict[str, Any]:
         ],
         "totals": totals,
     }
+
+
+def _non_target_bytes(root: Path, rel: str) -> int:
+    """The index's `metadata.total_size` (0 when absent); an unreadable index is a ManifestError."""
+    try:
+        index = read_json_file(resolve_inside(root, rel, what="index"), max_bytes=MAX_INDEX_BYTES,
+                               what="safetensors index")
+    except IntegrityError as exc:
+        if exc.code == "missing_file":
+            return 0
+        raise ManifestError(str(exc), code=exc.code) from None
+    metadata = index.get("metadata") if isinstance(index, dict) else None
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
+    return total if is_int(total) and total >= 0 else 0
