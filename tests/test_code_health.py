@@ -11,7 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PURE = ["shardprep.manifests.layout", "shardprep.manifests.manifest", "shardprep.prep.selection",
-        "shardprep.manifests.accounting", "shardprep.manifests.dtypes"]
+        "shardprep.manifests.accounting", "shardprep.manifests.dtypes", "shardprep.manifests.rank_file",
+        "shardprep.manifests.strict_json", "shardprep.manifests.paths", "shardprep.manifests.problems",
+        "shardprep.manifests.safetensors_header", "shardprep.manifests.exact_read", "shardprep.manifests.checksums",
+        "shardprep.requant.lookup", "shardprep.prep.plan"]
 
 
 @pytest.mark.parametrize("module", PURE)

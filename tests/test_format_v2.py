@@ -195,7 +195,7 @@ def downgrade_to_v1(out: Path) -> None:
         rank_files.append(new)
     for layer in m["layers"]:
         layer["file_offset"] -= first
-    for key in ("chunk_alignment", "replicated_files", "selection", "requant_options"):
+    for key in ("chunk_alignment", "replicated_files", "selection", "requant_options", "manifest_xxh3_128"):
         del m[key]
     m["version"], m["rank_files"] = 1, rank_files
     m["source"] = {k: m["source"][k] for k in ("path", "repo_id", "revision", "files")}

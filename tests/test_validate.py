@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from shardprep.cli import app
+from shardprep.manifests.manifest import seal
 from shardprep.prep.convert import convert
 from shardprep.prep.validate import validate
 
@@ -27,7 +28,8 @@ def manifest(out):
 
 
 def write_manifest(out, data):
-    (out / "shard_manifest.json").write_text(json.dumps(data))
+    """A deliberate edit, sealed as convert seals a manifest, so only the edit itself is under test."""
+    (out / "shard_manifest.json").write_text(seal(json.dumps(data, indent=1)))
 
 
 def test_fresh_output_is_valid_with_and_without_source(converted):

@@ -115,7 +115,12 @@ class RankShards:
                 raise IntegrityError(f"{name}: does not hold exactly the tensors {self.manifest.replicated_index} "
                                      f"maps to it ({odd!r} differs); copy the whole output directory again",
                                      code="index_mismatch", file=name, tensor=odd)
-            out.update(load_file(path, device=str(torch.device(device))))
+            try:
+                out.update(load_file(path, device=str(torch.device(device))))
+            except Exception as exc:  # the library's own SafetensorError, or torch lacking a dtype
+                raise IntegrityError(f"{name}: the safetensors library cannot load it "
+                                     f"({' '.join(str(exc).split())[:200]})", code="invalid_safetensors",
+                                     file=name) from None
         return out
 
 
@@ -167,6 +172,9 @@ def open_rank(
             mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
     except FileNotFoundError:
         raise RuntimeShardError(f"{file}: rank {rank}'s shard file is missing; copy it next to {where.name}") from None
+    except (OSError, ValueError) as exc:
+        raise RuntimeShardError(f"{file}: cannot read rank {rank}'s shard file "
+                                f"({getattr(exc, 'strerror', None) or exc})") from None
     try:
         _check_header(manifest, mapped, file)
         if verify:

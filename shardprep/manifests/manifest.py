@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import IntegrityError, ManifestError
+from .checksums import digest
 from .dtypes import tensor_nbytes
 from .layout import (
     ENTRY_ALIGNMENT,
@@ -30,7 +31,7 @@ from .layout import (
 from .paths import is_safe_relpath
 from .problems import Problem, quoted
 from .rank_file import header_json, plan_rank_file, rank_file_header, rank_file_name
-from .strict_json import is_int, read_json_file
+from .strict_json import is_int, parse_json, read_capped
 
 FORMAT = "shardprep/weight-shard"
 VERSION = 2
@@ -41,10 +42,14 @@ REPLICATED_INDEX = "model.safetensors.index.json"
 MAX_MANIFEST_BYTES = 256 << 20
 # Rank file names have five digits; the manifest's checksums grow with layers × N.
 MAX_WORLD_SIZE = 65536
+# The manifest's checksum of itself (format version 2), and its value while the text is being hashed.
+SELF_DIGEST_KEY = "manifest_xxh3_128"
+UNSEALED = "0" * 32
 
 __all__ = ["FORMAT", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "MAX_WORLD_SIZE", "READABLE_VERSIONS",
-           "REPLICATED_INDEX", "VERSION", "FileRecord", "LayerRecord", "Manifest", "check_invariants",
-           "is_safe_relpath", "load_manifest", "manifest_schema", "rank_file_name"]
+           "REPLICATED_INDEX", "SELF_DIGEST_KEY", "VERSION", "FileRecord", "LayerRecord", "Manifest",
+           "check_invariants", "check_seal", "is_safe_relpath", "load_manifest", "manifest_schema", "rank_file_name",
+           "read_manifest_file", "seal"]
 
 
 @dataclass(frozen=True)
@@ -169,10 +174,14 @@ class Manifest:
             data["selection"] = self.selection
             data["requant_options"] = self.requant_options
         data["created_by"] = self.created_by
+        if self.version >= 2:
+            data[SELF_DIGEST_KEY] = UNSEALED
         return data
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1) + "\n"
+        """The manifest file's text, sealed: `manifest_xxh3_128` is the digest of the text itself (see `seal`)."""
+        text = json.dumps(self.to_dict(), indent=1) + "\n"
+        return seal(text) if self.version >= 2 else text
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = MANIFEST_NAME, check: bool = True) -> Manifest:
@@ -232,6 +241,43 @@ class Manifest:
             more = f" (and {len(problems) - 1} more)" if problems[1:] else ""
             raise ManifestError(f"{where}: {problems[0]}{more}", code=problems[0].code)
         return m
+
+
+def seal(text: str) -> str:
+    """Put the manifest's own checksum into its text: XXH3-128 of the text with the digest's 32 hex digits
+    as zeros, written in their place. Every byte of the file is then covered, the manifest included.
+
+    >>> sealed = seal('{"a": 1, "manifest_xxh3_128": "' + UNSEALED + '"}')
+    >>> check_seal(sealed.encode(), json.loads(sealed)) is None
+    True
+    """
+    raw = text.encode()
+    spans = _seal_spans(raw)
+    if len(spans) != 1:
+        raise ValueError(f"a manifest text must hold one {SELF_DIGEST_KEY}, found {len(spans)}")
+    a, b = spans[0]
+    return (raw[:a] + digest(raw[:a] + UNSEALED.encode() + raw[b:]).encode() + raw[b:]).decode()
+
+
+def check_seal(raw: bytes, data: Any) -> str | None:
+    """Why the manifest file `raw` (parsed: `data`) fails its own checksum, or None when it holds."""
+    want = data.get(SELF_DIGEST_KEY) if isinstance(data, dict) else None
+    spans = _seal_spans(raw)
+    if len(spans) != 1 or not isinstance(want, str):
+        return f"the file must hold exactly one {SELF_DIGEST_KEY} (found {len(spans)})"
+    a, b = spans[0]
+    got = digest(raw[:a] + UNSEALED.encode() + raw[b:])
+    if raw[a:b].decode() != want or got != want:
+        return (f"{SELF_DIGEST_KEY} is {raw[a:b].decode()} but the file's checksum is {got} (the manifest was "
+                "modified or damaged; re-run convert)")
+    return None
+
+
+def _seal_spans(raw: bytes) -> list[tuple[int, int]]:
+    return [m.span(1) for m in _SEAL.finditer(raw)]
+
+
+_SEAL = re.compile(rb'"manifest_xxh3_128"\s*:\s*"([0-9a-f]{32})"')
 
 
 def _layer_dict(r: LayerRecord) -> dict[str, Any]:
@@ -461,18 +507,32 @@ def load_manifest(directory: str | Path, *, check: bool = True) -> Manifest:
     """Read and validate `DIR/shard_manifest.json` (format version 2, or 1).
 
     Raises ManifestError naming the problem: missing, larger than 256 MiB, not UTF-8 JSON, nested too
-    deeply, a schema violation, or a broken invariant.
+    deeply, a schema violation, a broken invariant, or (version 2) a file that fails its own checksum.
 
     >>> load_manifest("out/")  # doctest: +SKIP
     Manifest(world_size=8, ...)
     """
+    return read_manifest_file(directory, check=check)[0]
+
+
+def read_manifest_file(directory: str | Path, *, check: bool = True) -> tuple[Manifest, str | None]:
+    """`load_manifest`, also returning why the file fails its own checksum (None when it holds).
+
+    With `check` (what loaders use) a failed self-checksum is a ManifestError; `validate` passes
+    `check=False` to report it next to every other problem.
+    """
     path = Path(directory) / MANIFEST_NAME
     try:
-        data = read_json_file(path, max_bytes=MAX_MANIFEST_BYTES, what="manifest")
+        raw = read_capped(path, max_bytes=MAX_MANIFEST_BYTES, what="manifest")
+        data = parse_json(raw, str(path))
     except IntegrityError as exc:
         if exc.code == "missing_file":
             raise ManifestError(f"{path}: not found; is {directory} an output directory of `shardprep convert`?",
                                 code="manifest_missing") from None
         raise ManifestError(str(exc), code="manifest_unreadable") from None
-    return Manifest.from_dict(data, where=str(path), check=check)
+    manifest = Manifest.from_dict(data, where=str(path), check=check)
+    unsealed = check_seal(raw, data) if manifest.version >= 2 else None
+    if unsealed and check:
+        raise ManifestError(f"{path}: {unsealed}", code="manifest_checksum_mismatch")
+    return manifest, unsealed
 

@@ -127,12 +127,17 @@ def check_replicated_file(root: str | Path, manifest: Manifest, rel: str, *, ver
     if record is None:
         raise IntegrityError(f"{rel}: not listed in the manifest's replicated_files (no checksum)",
                              code="unlisted_file", file=rel)
-    size = path.stat().st_size
-    if size != record.size:
-        raise IntegrityError(f"{rel}: {size} bytes, the manifest says {record.size}", code="file_size", file=rel)
-    if verify:
-        size, got = file_digest(path)
-        _check_digest(rel, size, got, record.size, record.xxh3_128)
+    try:
+        size = path.stat().st_size
+        if size != record.size:
+            raise IntegrityError(f"{rel}: {size} bytes, the manifest says {record.size}", code="file_size",
+                                 file=rel)
+        if verify:
+            size, got = file_digest(path)
+            _check_digest(rel, size, got, record.size, record.xxh3_128)
+    except OSError as exc:
+        raise IntegrityError(f"{rel}: cannot read ({exc.strerror or exc})", code="unreadable_file",
+                             file=rel) from None
     return path
 
 

@@ -58,4 +58,4 @@ def _non_target_bytes(root: Path, rel: str) -> int:
         raise ManifestError(str(exc), code=exc.code) from None
     metadata = index.get("metadata") if isinstance(index, dict) else None
     total = metadata.get("total_size") if isinstance(metadata, dict) else None
-    return total if is_int(total) and total >= 0 else 0
+    return total if isinstance(total, int) and is_int(total) and total >= 0 else 0

@@ -177,7 +177,13 @@ def layer_index(name: str, pattern: re.Pattern[str]) -> int | None:
     12
     """
     m = pattern.search(name)
-    return int(m.group(1)) if m else None
+    if not m:
+        return None
+    try:
+        return int(m.group(1))
+    except (TypeError, ValueError):
+        raise SelectionError(f"--layer-pattern {pattern.pattern!r} captured {m.group(1)!r} in tensor {name!r}, "
+                             "which is not a layer number; capture digits only") from None
 
 
 def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:

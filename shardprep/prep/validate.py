@@ -18,7 +18,7 @@ from ..errors import IntegrityError, ManifestError, RequantError, ShardprepError
 from ..manifests.checksums import HASH_SEED
 from ..manifests.exact_read import iter_blocks, pread_exact, read_exact
 from ..manifests.layout import chunk_range
-from ..manifests.manifest import MANIFEST_NAME, LayerRecord, Manifest, check_invariants, load_manifest
+from ..manifests.manifest import MANIFEST_NAME, LayerRecord, Manifest, check_invariants, read_manifest_file
 from ..manifests.paths import resolve_inside
 from ..manifests.problems import Problem, quoted
 from ..manifests.replicated import NOTICE_TENSOR, ReplicatedIndex, check_replicated_file, read_replicated_index
@@ -87,15 +87,17 @@ def validate(directory: str | Path, source: str | Path | None = None,
         raise ShardprepError(f"{root}: no such directory")
     report = ValidationReport(str(root))
     try:
-        manifest = load_manifest(root, check=False)
+        manifest, unsealed = read_manifest_file(root, check=False)
     except ManifestError as exc:
         report.add(Problem(exc.code, str(exc), file=MANIFEST_NAME))
         return report
     report.format_version = manifest.version
+    if unsealed:
+        report.add(Problem("manifest_checksum_mismatch", f"{MANIFEST_NAME}: {unsealed}", file=MANIFEST_NAME))
     for problem in check_invariants(manifest):
         report.add(Problem(problem.code, f"{MANIFEST_NAME}: {problem.message}", problem.file, problem.layer,
                            problem.tensor))
-    if not report.ok:
+    if any(p.code != "manifest_checksum_mismatch" for p in report.problems):
         return report  # offsets cannot be trusted: reading files by them would only add noise
     if manifest.version < 2:
         report.warnings.append(Problem(
@@ -227,7 +229,12 @@ def _check_with_library(path: Path, rel: str, report: ValidationReport) -> None:
 
 def _check_replicated(root: Path, m: Manifest, report: ValidationReport) -> ReplicatedIndex | None:
     try:
-        index, problems = read_replicated_index(root, m, verify=True)
+        check_replicated_file(root, m, m.replicated_index, verify=True)
+    except IntegrityError as exc:
+        report.add(Problem.of(exc))
+    try:
+        # Parsed even when its checksum failed (reported above), so that what is wrong in it is named too.
+        index, problems = read_replicated_index(root, m, verify=False)
     except IntegrityError as exc:
         report.add(Problem.of(exc))
         index, problems = None, []
