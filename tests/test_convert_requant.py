@@ -223,3 +223,14 @@ def test_requant_convert_memory_stays_bounded(tmp_path):
           f"peak RSS {result['hwm'] / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB")
     assert result["requantized"] > 0 and size > 100 * (1 << 20)
     assert result["hwm"] < bound
+
+
+def test_negative_scale_is_refused_by_the_transform_itself():
+    from shardprep.requant import requant_ue8m0
+
+    weight = torch.full((4, 4), 1.0).to(torch.float8_e4m3fn)
+    for scale in (torch.tensor([[-2.0]]), torch.tensor([[-2.0]], dtype=torch.bfloat16)):
+        with pytest.raises(RequantError, match="'demo.weight': weight_scale_inv is negative at index"):
+            requant_ue8m0(weight, scale, name="demo.weight", allow_nonfinite=True)
+    q, s = requant_ue8m0(weight, torch.tensor([[2.0]]), name="demo.weight")
+    assert s.item() > 0 and not torch.isnan(q.float()).any()

@@ -83,6 +83,8 @@ def validate(directory: str | Path, source: str | Path | None = None,
     (True, [])
     """
     root = Path(directory)
+    if "\x00" in str(root):
+        raise ShardprepError(f"{quoted(str(root))}: a path cannot contain a NUL byte")
     if not root.is_dir():
         raise ShardprepError(f"{root}: no such directory")
     report = ValidationReport(str(root))
