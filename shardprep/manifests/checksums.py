@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .exact_read import BLOCK_BYTES, iter_blocks
+from .exact_read import BLOCK_BYTES, iter_blocks, open_for_reading
 
 HASH_SEED = 0
 
@@ -35,11 +35,8 @@ def file_digest(path: str | Path, block: int = BLOCK_BYTES) -> tuple[int, str]:
     import xxhash
 
     hasher = xxhash.xxh3_128(seed=HASH_SEED)
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with open_for_reading(path) as fd:
         size = os.fstat(fd).st_size
         for _, piece in iter_blocks(fd, 0, size, path, block):
             hasher.update(piece)
-    finally:
-        os.close(fd)
     return size, hasher.hexdigest()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import IntegrityError
@@ -76,3 +77,31 @@ def iter_blocks(fd: int, offset: int, nbytes: int, path: str | Path, block: int 
         pread_exact(fd, piece, at, path, preadinto=preadinto)
         yield at, piece
         at += len(piece)
+
+
+@contextmanager
+def open_for_reading(path: str | Path, what: str = "file") -> Iterator[int]:
+    """A file descriptor of `path` for reading, closed on exit; OS errors, when opening or inside the
+    block, become an IntegrityError naming the file (codes `missing_file`, `unreadable_file`).
+
+    >>> with open_for_reading("out/config.json", "config.json") as fd:  # doctest: +SKIP
+    ...     data = read_exact(fd, 10, 0, "out/config.json")
+    """
+    where = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise IntegrityError(f"{where}: {what} not found", code="missing_file", file=where) from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise IntegrityError(f"{where}: cannot read the {what} ({getattr(exc, 'strerror', None) or exc})",
+                             code="unreadable_file", file=where) from None
+    try:
+        yield fd
+    except IsADirectoryError:
+        raise IntegrityError(f"{where}: is a directory, expected the {what}", code="unreadable_file",
+                             file=where) from None
+    except OSError as exc:
+        raise IntegrityError(f"{where}: cannot read the {what} ({exc.strerror or exc})", code="unreadable_file",
+                             file=where) from None
+    finally:
+        os.close(fd)

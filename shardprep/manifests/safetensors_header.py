@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import IntegrityError
 from .dtypes import DTYPE_SIZES
-from .exact_read import read_exact
+from .exact_read import open_for_reading, read_exact
 from .problems import quoted
 from .strict_json import is_int, is_str_dict, parse_json
 
@@ -57,14 +57,7 @@ def read_safetensors_header(path: str | Path) -> SafetensorsHeader:
     'BF16'
     """
     where = str(path)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise IntegrityError(f"{where}: file not found", code="missing_file", file=where) from None
-    except (OSError, ValueError) as exc:
-        raise IntegrityError(f"{where}: cannot open ({getattr(exc, 'strerror', None) or exc})",
-                             code="unreadable_file", file=where) from None
-    try:
+    with open_for_reading(path, "safetensors file") as fd:
         size = os.fstat(fd).st_size
         if size < 8:
             raise _invalid(where, f"truncated safetensors file ({size} bytes, no header)")
@@ -72,14 +65,6 @@ def read_safetensors_header(path: str | Path) -> SafetensorsHeader:
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise _invalid(where, f"corrupt or truncated safetensors header (claims {n} bytes, file has {size})")
         raw = read_exact(fd, n, 8, where)
-    except IsADirectoryError:
-        raise IntegrityError(f"{where}: is a directory, expected a safetensors file", code="unreadable_file",
-                             file=where) from None
-    except OSError as exc:
-        raise IntegrityError(f"{where}: cannot read ({exc.strerror or exc})", code="unreadable_file",
-                             file=where) from None
-    finally:
-        os.close(fd)
     return parse_safetensors_header(raw, size, where)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import IntegrityError
-from .exact_read import read_exact
+from .exact_read import open_for_reading, read_exact
 
 # Deeper than any file shardprep reads needs (a manifest is 5 levels deep).
 MAX_DEPTH = 64
@@ -87,27 +87,12 @@ def read_capped(path: str | Path, *, max_bytes: int, what: str) -> bytes:
     >>> read_capped("out/model.safetensors.index.json", max_bytes=1 << 20, what="index")  # doctest: +SKIP
     """
     where = str(path)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise IntegrityError(f"{where}: {what} not found", code="missing_file", file=where) from None
-    except (OSError, ValueError) as exc:
-        raise IntegrityError(f"{where}: cannot read the {what} ({_reason(exc)})", code="unreadable_file",
-                             file=where) from None
-    try:
+    with open_for_reading(path, what) as fd:
         size = os.fstat(fd).st_size
         if size > max_bytes:
             raise IntegrityError(f"{where}: {size} bytes, more than a {what} may be ({max_bytes}); refusing to "
                                  "read it", code="file_too_large", file=where)
         return read_exact(fd, size, 0, where)
-    except IsADirectoryError:
-        raise IntegrityError(f"{where}: is a directory, expected the {what}", code="unreadable_file",
-                             file=where) from None
-    except OSError as exc:
-        raise IntegrityError(f"{where}: cannot read the {what} ({_reason(exc)})", code="unreadable_file",
-                             file=where) from None
-    finally:
-        os.close(fd)
 
 
 def read_json_file(path: str | Path, *, max_bytes: int, what: str, allow_duplicate_keys: bool = False) -> Any:
@@ -157,6 +142,3 @@ def _check_depth_and_strings(data: Any) -> None:
 def _invalid(where: str, why: str) -> IntegrityError:
     return IntegrityError(f"{where}: {why}", code="invalid_json", file=where)
 
-
-def _reason(exc: BaseException) -> str:
-    return getattr(exc, "strerror", None) or type(exc).__name__
