@@ -56,3 +56,7 @@ class RequantError(ShardprepError):
 
 class RuntimeShardError(ShardprepError):
     """The runtime cannot load or gather as asked (rank mismatch, collective misalignment, ...)."""
+
+
+class ProfileError(ShardprepError):
+    """A profile file is unreadable, of another schema, or does not describe the model being planned."""

@@ -119,16 +119,16 @@ def test_untouched_files_are_hard_linked_and_other_files_copied(checkpoint_cache
             assert name in f.keys()
 
 
-def test_non_empty_output_is_refused_then_replaced_with_overwrite(checkpoint_cache, tmp_path):
+def test_previous_output_is_refused_then_replaced_with_overwrite(checkpoint_cache, tmp_path):
     src = checkpoint_cache("llama")
     out = tmp_path / "out"
-    out.mkdir()
+    convert(src, out, 3, preset="llama")
     (out / "keep.txt").write_text("user data")
     with pytest.raises(OutputError, match="not empty"):
         convert(src, out, 2, preset="llama")
     assert (out / "keep.txt").read_text() == "user data"
     convert(src, out, 2, preset="llama", overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "shard_manifest.json").exists()
+    assert not (out / "keep.txt").exists() and json.loads((out / "shard_manifest.json").read_text())["world_size"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["out"], "no temporary directories left behind"
 
 

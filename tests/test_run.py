@@ -73,8 +73,9 @@ def check_memory(summary, out):
         ("qwen3-moe", True, 4, {"preset": "qwen3-moe"}, ["gpu rank layer"]),
         ("bert", False, 2, {"targets": ["*.attention.self.*.weight", "*.intermediate.dense.weight"],
                             "layers": "all"}, ["hello fast world", "the layer"]),
+        ("llama", False, 2, {"preset": "llama", "layers": "0,2-:2"}, ["shard every other layer"]),
     ],
-    ids=["llama-n2-idle-rank", "qwen3-moe-sharded-n4", "bert-all-layers-n2"],
+    ids=["llama-n2-idle-rank", "qwen3-moe-sharded-n4", "bert-all-layers-n2", "llama-even-layers-n2"],
 )
 def test_run_matches_transformers_bit_for_bit(checkpoint_cache, tmp_path, arch, sharded, nproc, convert_kw,
                                               prompts):

@@ -35,7 +35,6 @@ class RankShards:
 
     >>> shards = open_rank("out/", rank=0, device="cuda:0")  # doctest: +SKIP
     >>> shards.chunk(1).numel() == shards.manifest.layer(1).chunk_bytes  # doctest: +SKIP
-    True
     """
 
     def __init__(self, manifest: Manifest, rank: int, buffer: torch.Tensor, directory: str | Path | None = None):
@@ -64,7 +63,6 @@ class RankShards:
         """This rank's chunk of `layer` (a view of the buffer, no copy).
 
         >>> shards.chunk(1)  # doctest: +SKIP
-        tensor([...], device='cuda:0', dtype=torch.uint8)
         """
         try:
             r = self._records[layer]
@@ -94,7 +92,6 @@ class RankShards:
 
         >>> rest = shards.load_replicated("cuda:0")  # doctest: +SKIP
         >>> rest["model.embed_tokens.weight"].shape  # doctest: +SKIP
-        torch.Size([128256, 8192])
         """
         from safetensors.torch import load_file
 
@@ -144,7 +141,6 @@ def open_rank(
     >>> shards = open_rank("out/", rank=dist.get_rank(), world_size=dist.get_world_size(),
     ...                    device=f"cuda:{torch.cuda.current_device()}")  # doctest: +SKIP
     >>> shards.nbytes  # doctest: +SKIP
-    1073741824
     """
     directory = Path(path)
     manifest = load_manifest(directory)

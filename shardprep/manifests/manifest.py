@@ -510,7 +510,6 @@ def load_manifest(directory: str | Path, *, check: bool = True) -> Manifest:
     deeply, a schema violation, a broken invariant, or (version 2) a file that fails its own checksum.
 
     >>> load_manifest("out/")  # doctest: +SKIP
-    Manifest(world_size=8, ...)
     """
     return read_manifest_file(directory, check=check)[0]
 

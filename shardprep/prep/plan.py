@@ -201,7 +201,9 @@ class ConvertPlan:
         )
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-able summary for `convert --dry-run`: the selection per layer and the byte totals."""
+        """A JSON-able summary for `convert --dry-run`: the selection per layer, byte totals, per-rank memory."""
+        from ..manifests.accounting import account
+
         return {
             "world_size": self.world_size,
             "layers": {str(lay.layer): [e.name for e in lay.entries] for lay in self.layouts},
@@ -217,6 +219,7 @@ class ConvertPlan:
                                               "dropped" if not f.tensors else "rewritten")
                                  for f in self.replicated},
             "replicated_bytes": self.replicated_bytes,
+            "memory": account(self.skeleton_manifest(), non_target_bytes=self.replicated_bytes).to_dict(),
         }
 
 
@@ -229,7 +232,6 @@ def make_plan(ckpt: SourceCheckpoint, world_size: int, selection: Selection,
 
     >>> plan = make_plan(open_source("my-model/"), 8, Selection(preset=load_preset("llama")))  # doctest: +SKIP
     >>> plan.layouts[0].chunk_bytes  # doctest: +SKIP
-    1048576
     """
     alignment = parse_chunk_alignment(chunk_alignment)
     options = requant or RequantOptions()

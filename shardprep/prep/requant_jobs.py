@@ -303,7 +303,6 @@ def plan_requant(ckpt: SourceCheckpoint, targets: set[str], options: RequantOpti
 
     >>> plan = plan_requant(open_source("deepseek-fp8/"), set(), RequantOptions())  # doctest: +SKIP
     >>> plan.manifest_record  # doctest: +SKIP
-    {'method': 'fp8', 'block': [128, 128], 'recipe': 'sglang', 'scale_format': 'f32', 'scope': 'all', ...}
     """
     if options.mode == RequantMode.NONE:
         return None

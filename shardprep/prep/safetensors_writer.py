@@ -47,7 +47,6 @@ def write_safetensors(
     """Write a standard safetensors file; returns its data size (the sum of tensor bytes).
 
     >>> write_safetensors("x.safetensors", [OutTensor("a", "F32", (1,), b"\\0\\0\\x80?")])  # doctest: +SKIP
-    4
     """
     header: dict[str, object] = {}
     if metadata:

@@ -151,7 +151,7 @@ def resolve_source(src: str | Path, revision: str | None = None) -> ResolvedSour
     if not REPO_ID.match(text) or text.startswith((".", "/")):
         raise SourceError(f"{src}: no such directory (and not a hub repo id)")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     patterns = ["*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.py", "*.jinja", "*.md"]
     try:
@@ -168,6 +168,34 @@ def resolve_source(src: str | Path, revision: str | None = None) -> ResolvedSour
     return ResolvedSource(local_path, text, revision, local_path.name)
 
 
+def source_boundary(root: Path) -> Path:
+    """The directory a source's symlinks may point into: the source itself, or for a huggingface_hub
+    snapshot (`models--org--name/snapshots/<commit>/`) the whole repo cache directory, whose blobs/ the
+    snapshot's files link to.
+
+    >>> source_boundary(Path("~/.cache/huggingface/hub/models--org--name/snapshots/abc123"))  # doctest: +SKIP
+    """
+    real = root.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        return real.parent.parent
+    return real
+
+
+def check_inside(path: Path, root: Path, boundary: Path) -> None:
+    """Refuse a source file that is (or passes through) a symlink leading out of `boundary`.
+
+    Convert copies what it reads into OUT, so following such a link would publish an unrelated file
+    (a `config.json -> /etc/...`) next to the weights.
+
+    >>> root = Path("my-model")
+    >>> check_inside(root / "config.json", root, source_boundary(root))  # doctest: +SKIP
+    """
+    real = path.resolve()
+    if not real.is_relative_to(boundary):
+        raise SourceError(f"{path}: is a symlink to {real}, outside the source {root}; "
+                          "copy the file into the model directory instead of linking it")
+
+
 def open_source(src: str | Path, revision: str | None = None) -> SourceCheckpoint:
     """Parse a checkpoint's safetensors headers (single file or sharded with an index).
 
@@ -177,10 +205,12 @@ def open_source(src: str | Path, revision: str | None = None) -> SourceCheckpoin
     """
     resolved = resolve_source(src, revision)
     root = resolved.root
+    boundary = source_boundary(root)
     index_path = root / INDEX_NAME
     index_metadata: dict[str, Any] = {}
     weight_map: dict[str, str] | None
     if index_path.exists():
+        check_inside(index_path, root, boundary)
         weight_map, index_metadata = _read_source_index(index_path)
         names = sorted(set(weight_map.values()))
     elif (root / SINGLE_NAME).exists():
@@ -201,6 +231,7 @@ def open_source(src: str | Path, revision: str | None = None) -> SourceCheckpoin
             raise SourceError(f"{index_path}: shard {quoted(name)} is outside the model directory")
         if not path.exists():
             raise SourceError(f"{index_path}: names shard {name!r}, which is missing from {root}")
+        check_inside(path, root, boundary)
         header = read_safetensors_header(path)
         files[name] = SourceFile(name, path, header.file_size, list(header.tensors), header.metadata)
         for tname, info in header.tensors.items():
@@ -223,6 +254,8 @@ def open_source(src: str | Path, revision: str | None = None) -> SourceCheckpoin
             and str(p.relative_to(root)) not in weight_files
             and not any(p.match(g) for g in OTHER_WEIGHT_GLOBS))
     )
+    for rel in other:
+        check_inside(root / rel, root, boundary)
     return SourceCheckpoint(root, files, tensors, other, resolved.repo_id, resolved.revision, resolved.commit,
                             index_metadata)
 

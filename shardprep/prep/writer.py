@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -33,6 +34,7 @@ from ..manifests.manifest import (
     rank_file_name,
 )
 from ..manifests.replicated import NOTICE_FILE, NOTICE_TENSOR, NOTICE_TEXT, SHARDED_SENTINEL
+from .output_dir import writing
 from .plan import ConvertPlan
 from .requant_jobs import RequantRunner
 from .safetensors_writer import FileRange, OutTensor, write_safetensors
@@ -122,13 +124,14 @@ def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, C
                 lo, hi = chunk_range(r, lay.chunk_bytes)
                 chunk = flat[lo:hi]
                 sums.append(digest(chunk))
-                fd = os.open(path, os.O_WRONLY)
-                try:
-                    pwrite_all(fd, chunk, file_offset)
-                    if i == last:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
+                with writing(path):
+                    fd = os.open(path, os.O_WRONLY)
+                    try:
+                        pwrite_all(fd, chunk, file_offset)
+                        if i == last:
+                            os.fsync(fd)
+                    finally:
+                        os.close(fd)
             records.append(LayerRecord.from_layout(lay, file_offset, tuple(sums)))
     except OSError as exc:
         raise OutputError(f"{directory.parent}: writing rank files failed ({exc.strerror or exc})") from None
@@ -140,12 +143,13 @@ def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, C
 def _create_rank_file(path: Path, header: bytes, size: int) -> None:
     # The header first; the rest of the file is a hole until the chunks are written, and the gaps between
     # chunks stay holes, which read as zeros.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        pwrite_all(fd, memoryview(header), 0)
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
+    with writing(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            pwrite_all(fd, memoryview(header), 0)
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
 
 
 class _SourceFiles:
@@ -202,7 +206,9 @@ def _write_replicated(directory: Path, plan: ConvertPlan, producers: dict[str, C
                 else:
                     st = ckpt.tensors[spec.name]
                     out.append(OutTensor(spec.name, spec.dtype, spec.shape, FileRange(sf.path, st.start, st.nbytes)))
-            write_safetensors(dest, out, sf.metadata, progress=tracker)
+            with writing(dest):
+                write_safetensors(dest, out, sf.metadata, progress=tracker)
+                _keep_mode(sf.path, dest)
             copied.append(f.out_name)
             kept = [spec.name for spec in f.tensors]
         for name in kept:
@@ -210,8 +216,9 @@ def _write_replicated(directory: Path, plan: ConvertPlan, producers: dict[str, C
     total = sum(ckpt.tensors[t].nbytes for t in weight_map)
     # The targets point at a file that does not exist, so a plain loader fails naming it; the notice file
     # exists so that loaders which glob *.safetensors fail naming its tensor (docs/format.md).
-    write_safetensors(directory / NOTICE_FILE, [OutTensor(NOTICE_TENSOR, "U8", (1,), bytes(1))],
-                      {"format": "pt", "shardprep": NOTICE_TEXT})
+    with writing(directory / NOTICE_FILE):
+        write_safetensors(directory / NOTICE_FILE, [OutTensor(NOTICE_TENSOR, "U8", (1,), bytes(1))],
+                          {"format": "pt", "shardprep": NOTICE_TEXT})
     index_map = {**weight_map, **{name: SHARDED_SENTINEL for name in plan.targets.names},
                  NOTICE_TENSOR: NOTICE_FILE}
     index = {"metadata": {**ckpt.index_metadata, "total_size": total, "shardprep": NOTICE_TEXT},
@@ -235,7 +242,7 @@ def _digest_replicated_files(directory: Path, world_size: int) -> tuple[FileReco
 
 
 def _link_or_copy(src: Path, dest: Path, mode: str) -> bool:
-    """Hard-link when allowed and possible (same filesystem); returns True when linked."""
+    """Hard-link when allowed and possible (same filesystem); returns True when linked. A copy keeps the mode."""
     real = src.resolve()  # hub snapshots are symlinks into blobs/: link the blob itself
     if mode in ("auto", "link"):
         try:
@@ -244,7 +251,9 @@ def _link_or_copy(src: Path, dest: Path, mode: str) -> bool:
         except OSError as exc:
             if mode == "link":
                 raise OutputError(f"{dest}: cannot hard-link {real} ({exc.strerror}); use --copy-mode copy") from None
-    shutil.copyfile(real, dest)
+    with writing(dest):
+        shutil.copyfile(real, dest)
+        _keep_mode(real, dest)
     return False
 
 
@@ -252,21 +261,65 @@ def _copy_other_files(directory: Path, plan: ConvertPlan) -> None:
     ckpt = plan.source
     config_update = plan.requant.config_update if plan.requant else None
     for rel in plan.other_files:
-        dest = directory / rel
+        src, dest = (ckpt.root / rel).resolve(), directory / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if rel == "config.json" and config_update:
-            config = ckpt.config or {}
-            config.update(config_update)
-            write_atomically(dest, json.dumps(config, indent=2) + "\n")
-        else:
-            shutil.copyfile((ckpt.root / rel).resolve(), dest)
+        with writing(dest):
+            if rel == "config.json" and config_update:
+                config = ckpt.config or {}
+                config.update(config_update)
+                write_atomically(dest, json.dumps(config, indent=2) + "\n")
+            else:
+                shutil.copyfile(src, dest)
+            _keep_mode(src, dest)
+
+
+def _keep_mode(src: Path, dest: Path) -> None:
+    # Permission bits only: a setuid/setgid/sticky bit on a model file is never wanted in a copy.
+    os.chmod(dest, stat.S_IMODE(os.stat(src).st_mode) & 0o777)
+
+
+def output_bytes(plan: ConvertPlan, out: Path, copy_mode: str = "auto") -> int:
+    """Disk bytes `write_plan` will need next to `out` (an upper bound; a hard link costs nothing).
+
+    Rank files, rewritten safetensors files (header bounded by the source's), copied files, the index
+    and the manifest, each rounded up to 4 KiB blocks. Files that will be hard-linked count as 0 when
+    the source is on the destination's filesystem.
+
+    >>> needed = output_bytes(plan, Path("out/"))  # doctest: +SKIP
+    """
+    def blocks(n: int) -> int:
+        return -(-n // 4096) * 4096
+
+    dest_dev = os.stat(_nearest_existing(Path(os.path.abspath(out)))).st_dev
+    ckpt = plan.source
+    total = plan.world_size * blocks(plan.rank_file_bytes)
+    for f in plan.replicated:
+        sf = ckpt.files[f.name]
+        if f.tensors is None:
+            linked = copy_mode != "copy" and os.stat(sf.path).st_dev == dest_dev
+            total += 0 if linked else blocks(sf.size)
+        elif f.tensors:
+            header = min(ckpt.tensors[name].start for name in sf.tensors)  # 8 + the source header
+            total += blocks(header + sum(t.nbytes for t in f.tensors))
+    for rel in plan.other_files:
+        total += blocks(os.stat(ckpt.root / rel).st_size)
+    # The index and the manifest: a few hundred bytes per tensor at most.
+    total += blocks(1024 * (len(ckpt.tensors) + 16))
+    return total
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
 
 
 def write_atomically(path: Path, text: str) -> None:
     """Write a small text file under a temporary name, fsync it, then rename it into place."""
     part = path.with_name(path.name + ".part")
-    with open(part, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
+    with writing(path):
+        with open(part, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
