@@ -38,7 +38,6 @@ def resolve_inside(root: str | Path, rel: object, *, what: str = "file") -> Path
     Raises IntegrityError (code `unsafe_path`) naming the path otherwise. The file need not exist.
 
     >>> resolve_inside("out", "shards/rank-00000-of-00002.safetensors")  # doctest: +SKIP
-    PosixPath('out/shards/rank-00000-of-00002.safetensors')
     """
     if not is_safe_relpath(rel):
         raise IntegrityError(f"{what} path {quoted(rel)} is absolute, empty or leaves the output directory",

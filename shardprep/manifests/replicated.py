@@ -115,7 +115,6 @@ def check_replicated_file(root: str | Path, manifest: Manifest, rel: str, *, ver
     size (version 2), and with `verify` its XXH3-128. Raises IntegrityError naming the file otherwise.
 
     >>> check_replicated_file("out/", manifest, "model-00001-of-00002.safetensors")  # doctest: +SKIP
-    PosixPath('out/model-00001-of-00002.safetensors')
     """
     path = resolve_inside(root, rel)
     if not path.is_file():
