@@ -134,19 +134,44 @@ def make_stack(weights):
     return Stack()
 
 
-def make_manifest(args, weights, layers):
-    """The manifest `convert --layers` would write for these layers (qkv fused, as the llama preset does)."""
-    from shardprep.manifests import FusedGroup, LayerRecord, Manifest, TensorSpec, plan_file_offsets, plan_layer
-    from shardprep.manifests.manifest import rank_file_name
+def make_manifest(args, weights, layers, replicated_files=()):
+    """The manifest `convert --layers` would write for these layers (qkv fused, as the llama preset does),
+    with the checksums of the chunks cut from `weights`; `replicated_files` lists the other files' records."""
+    import torch
+
+    from shardprep.manifests import (
+        FusedGroup,
+        LayerRecord,
+        Manifest,
+        TensorSpec,
+        plan_layer,
+        plan_rank_file,
+        rank_file_name,
+    )
+    from shardprep.manifests.checksums import digest
 
     layouts = []
     for i in layers:
         n, w = names(i), weights[i]
         specs = [TensorSpec(n[k], "BF16", tuple(w[k].shape)) for k in ("q", "k", "v", "o")]
         layouts.append(plan_layer(i, specs, args.world, [FusedGroup(n["qkv"], (n["q"], n["k"], n["v"]))]))
-    offsets = plan_file_offsets([lay.chunk_bytes for lay in layouts])
-    return Manifest(args.world, tuple(rank_file_name(r, args.world) for r in range(args.world)),
-                    tuple(LayerRecord.from_layout(lay, off) for lay, off in zip(layouts, offsets)))
+    offsets, _ = plan_rank_file([(lay.layer, lay.chunk_bytes) for lay in layouts], args.world, 4096)
+    records = []
+    for lay, off in zip(layouts, offsets):
+        flat = torch.zeros(lay.total_bytes, dtype=torch.uint8)
+        by_name = {names(lay.layer)[k]: weights[lay.layer][k] for k in ("q", "k", "v", "o")}
+        for e in lay.entries:
+            flat[e.offset:e.offset + e.nbytes].copy_(by_name[e.name].detach().cpu().reshape(-1).view(torch.uint8))
+        c = lay.chunk_bytes
+        sums = tuple(digest(flat[r * c:(r + 1) * c].numpy().tobytes()) for r in range(args.world))
+        records.append(LayerRecord.from_layout(lay, off, sums))
+    return Manifest(args.world, tuple(rank_file_name(r, args.world) for r in range(args.world)), tuple(records),
+                    source={"path": None, "repo_id": None, "revision": None, "commit": None, "files": []},
+                    selection={"preset": None, "preset_targets": [], "targets": ["*.self_attn.*.weight"],
+                               "layers": ",".join(str(i) for i in layers), "layer_pattern": r"layers\.(\d+)\."},
+                    requant_options={"mode": "none", "scope": "all", "recipe": "sglang", "scale_format": "f32",
+                                     "allow_nonfinite": False},
+                    replicated_files=tuple(replicated_files), created_by="bench_plan synthetic stack")
 
 
 def bind_layers(args, weights, layers, rank, device):
@@ -272,13 +297,18 @@ def worker(args, workdir: str):
 
 def plan(args, weights, profile, workdir):
     """Run the planner on a directory holding the stack's manifest (every layer) and config.json."""
+    from shardprep.manifests import FileRecord
+    from shardprep.manifests.checksums import file_digest
     from shardprep.prep.layer_choice import least_overhead
     from shardprep.prep.payoff import PlanRequest, plan_sharding
     from shardprep.prep.selection import parse_layers
 
     out = Path(workdir) / "stack"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "shard_manifest.json").write_text(make_manifest(args, weights, range(args.layers)).to_json())
+    # The planner reads the manifest and config.json only; the index is there because a manifest lists it.
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": {}}))
+    index = FileRecord("model.safetensors.index.json", *file_digest(out / "model.safetensors.index.json"))
+    (out / "shard_manifest.json").write_text(make_manifest(args, weights, range(args.layers), (index,)).to_json())
     heads = max(1, args.hidden // 128)
     kv_rows = weights[0]["k"].shape[0]
     (out / "config.json").write_text(json.dumps({

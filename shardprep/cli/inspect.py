@@ -36,7 +36,7 @@ def inspect_command(
     from rich.table import Table
 
     n = info["world_size"]
-    table = Table(title=f"{out}  (N = {n})")
+    table = Table(title=f"{out}  (format v{info['format_version']}, N = {n})")
     for col in ("layer", "entries", "fused views", "|T|", "C = |T|/N", "file offset"):
         table.add_column(col, justify="right")
     for r in info["layers"]:
@@ -51,6 +51,9 @@ def inspect_command(
     console.print(table)
     console.print(totals)
     console.print(f"slots: {info['slot_model']}")
+    console.print(f"rank files: {human_bytes(info['rank_file_bytes'])} each, chunk alignment "
+                  f"{human_bytes(info['chunk_alignment'])}, {human_bytes(info['alignment_padding_bytes'])} of "
+                  "alignment padding per rank")
     if info["totals"]["shortfall_reason"]:
         console.print(f"no memory saved: {info['totals']['shortfall_reason']}")
     if info["quantization"]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .layout import ENTRY_ALIGNMENT, align_up
+from .layout import ENTRY_ALIGNMENT, align_up, used_bytes
 from .manifest import Manifest
 
 ZERO_COPY_MIN_ALIGNMENT = 2 << 20
@@ -148,9 +148,12 @@ def account(manifest: Manifest, non_target_bytes: int = 0, num_slots: int = 2, *
     >>> a.sharded_bytes, a.local_chunk_bytes, a.gather_recv_bytes_per_forward
     (8192, 2048, 6144)
     """
-    return account_layers([r.total_bytes for r in manifest.layers], manifest.world_size, num_slots=num_slots,
-                          chunk_alignment=manifest_chunk_alignment(manifest), aliased_own_chunk=aliased_own_chunk,
-                          non_target_bytes=non_target_bytes)
+    # |T| as the 16-byte rule lays it out; account_layers pads C to the manifest's chunk alignment again, so
+    # the padding that alignment added to the files is counted as padding, not as sharded weights.
+    n = manifest.world_size
+    unaligned = [n * align_up(-(-used_bytes(r.entries) // n), ENTRY_ALIGNMENT) for r in manifest.layers]
+    return account_layers(unaligned, n, num_slots=num_slots, chunk_alignment=manifest_chunk_alignment(manifest),
+                          aliased_own_chunk=aliased_own_chunk, non_target_bytes=non_target_bytes)
 
 
 def manifest_chunk_alignment(manifest: Manifest) -> int:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
-from ..errors import SelectionError
+from ..errors import IntegrityError, SelectionError
 from ..manifests.layout import FusedGroup
+from ..manifests.strict_json import parse_json, read_json_file
+
+# A preset lists globs; a larger file is not a preset.
+MAX_PRESET_BYTES = 1 << 20
 
 # `layers.N.`, `layer.N.`, `h.N.` and `blocks.N.` cover Llama/Qwen/DeepSeek, BERT, GPT-2 and ViT-style names.
 DEFAULT_LAYER_PATTERN = r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\."
@@ -86,6 +90,21 @@ class Selection:
     preset: Preset | None = None
     layers: LayerSet = field(default_factory=LayerSet)
     layer_pattern: str = DEFAULT_LAYER_PATTERN
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's `selection` record: the preset's name and globs, the --target globs, the layer range
+        and the layer pattern.
+
+        >>> Selection(targets=("*.q_proj.weight",)).record()["layers"]
+        '1-'
+        """
+        return {
+            "preset": self.preset.name if self.preset else None,
+            "preset_targets": list(self.preset.targets) if self.preset else [],
+            "targets": list(self.targets),
+            "layers": str(self.layers),
+            "layer_pattern": self.layer_pattern,
+        }
 
 
 @dataclass(frozen=True)
@@ -186,24 +205,48 @@ def load_preset(name_or_path: str) -> Preset:
     'mlp.shared_experts.gate_up_proj.weight'
     """
     if name_or_path in builtin_presets():
-        text = resources.files(__package__).joinpath("presets").joinpath(f"{name_or_path}.json").read_text()
+        text = resources.files(__package__).joinpath("presets").joinpath(f"{name_or_path}.json").read_bytes()
         where = f"preset {name_or_path!r}"
+        try:
+            data = parse_json(text, where)
+        except IntegrityError as exc:
+            raise SelectionError(str(exc)) from None
     else:
         path = Path(name_or_path)
-        if not path.is_file():
+        if "\x00" in name_or_path or not path.is_file():
             raise SelectionError(
                 f"--preset {name_or_path!r} is neither a built-in preset ({', '.join(builtin_presets())}) nor a file"
             )
-        text, where = path.read_text(), str(path)
-    try:
-        data = json.loads(text)
-        targets = tuple(data["targets"])
-        fused = tuple(FusedRule(f["name"], tuple(f["members"])) for f in data.get("fused", []))
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise SelectionError(f"{where}: not a valid preset (need 'targets' and optional 'fused'): {exc}") from None
-    if not targets or not all(isinstance(t, str) for t in targets):
-        raise SelectionError(f"{where}: 'targets' must be a non-empty list of globs")
-    return Preset(data.get("name", name_or_path), targets, fused, data.get("description", ""))
+        where = str(path)
+        try:
+            data = read_json_file(path, max_bytes=MAX_PRESET_BYTES, what="preset")
+        except IntegrityError as exc:
+            raise SelectionError(str(exc)) from None
+    return _preset_from_json(data, where, name_or_path)
+
+
+def _preset_from_json(data: object, where: str, default_name: str) -> Preset:
+    def bad(why: str) -> SelectionError:
+        return SelectionError(f"{where}: not a valid preset ({why}); see README, `--preset`")
+
+    if not isinstance(data, dict):
+        raise bad("not a JSON object")
+    targets, fused = data.get("targets"), data.get("fused", [])
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise bad("'targets' must be a non-empty list of globs")
+    if not isinstance(fused, list):
+        raise bad("'fused' must be a list")
+    rules = []
+    for f in fused:
+        name, members = (f.get("name"), f.get("members")) if isinstance(f, dict) else (None, None)
+        if not isinstance(name, str) or not isinstance(members, list) or len(members) < 2 or not all(
+                isinstance(m, str) and m for m in members):
+            raise bad("each 'fused' item needs a 'name' and at least two 'members', all strings")
+        rules.append(FusedRule(name, tuple(members)))
+    name, description = data.get("name", default_name), data.get("description", "")
+    if not isinstance(name, str) or not isinstance(description, str):
+        raise bad("'name' and 'description' must be strings")
+    return Preset(name, tuple(targets), tuple(rules), description)
 
 
 def layer_index(name: str, pattern: re.Pattern[str]) -> int | None:
@@ -213,7 +256,13 @@ def layer_index(name: str, pattern: re.Pattern[str]) -> int | None:
     12
     """
     m = pattern.search(name)
-    return int(m.group(1)) if m else None
+    if not m:
+        return None
+    try:
+        return int(m.group(1))
+    except (TypeError, ValueError):
+        raise SelectionError(f"--layer-pattern {pattern.pattern!r} captured {m.group(1)!r} in tensor {name!r}, "
+                             "which is not a layer number; capture digits only") from None
 
 
 def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:

@@ -1,8 +1,9 @@
 """Carry out a `ConvertPlan`: write the rank files, the replicated part and the manifest into a directory.
 
 Streaming: one layer's targets are packed into a reusable buffer of max|T| bytes, checksummed and
-written to the N rank files; non-target tensors are copied file-to-file by byte range, or the whole
-source file is hard-linked when nothing in it changes. The manifest is written last.
+written to the N rank files (safetensors files with one identical header); non-target tensors are copied
+file-to-file by byte range, or the whole source file is hard-linked when nothing in it changes. Every
+other file is then checksummed, and the manifest is written last.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import shutil
 import stat
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -19,18 +21,27 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from .._version import __version__
 from ..errors import OutputError
+from ..manifests.checksums import digest, file_digest
+from ..manifests.exact_read import pread_exact
 from ..manifests.layout import chunk_range
-from ..manifests.manifest import MANIFEST_NAME, REPLICATED_INDEX, LayerRecord, Manifest, rank_file_name
+from ..manifests.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    REPLICATED_INDEX,
+    FileRecord,
+    LayerRecord,
+    Manifest,
+    rank_file_name,
+)
+from ..manifests.replicated import NOTICE_FILE, NOTICE_TENSOR, NOTICE_TEXT, SHARDED_SENTINEL
 from .file_ranges import pwrite_all
 from .output_dir import writing
 from .plan import ConvertPlan, ReplicatedFile
 from .requant_jobs import RequantRunner
 from .safetensors_writer import FileRange, OutTensor, write_safetensors
-from .source import pread_exact
+from .source import SourceCheckpoint
 from .writeback import Writeback
 
 # Threads copying replicated files while the rank files are written. Each copy runs in the kernel
@@ -91,22 +102,30 @@ def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
         linked, copied, rep_tensors, rep_bytes = replicated.write_index(results)
         writeback.finish()
     _copy_other_files(directory, plan)
-    manifest = replace(plan.skeleton_manifest(), layers=tuple(records), created_by=f"shardprep {__version__}")
+    manifest = replace(plan.skeleton_manifest(), layers=tuple(records), created_by=f"shardprep {__version__}",
+                       replicated_files=_digest_replicated_files(directory, plan.world_size))
+    text = manifest.to_json()
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise OutputError(f"{directory}: the manifest would be {len(text)} bytes, more than readers accept "
+                          f"({MAX_MANIFEST_BYTES}); use fewer ranks")
     Manifest.from_dict(manifest.to_dict())  # the same checks a reader will run, before anything is visible
-    write_atomically(directory / MANIFEST_NAME, manifest.to_json())
+    write_atomically(directory / MANIFEST_NAME, text)
     return WriteResult(manifest, linked, copied, rep_tensors, rep_bytes)
 
 
 def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, Callable[[], Any]],
                       tracker: _Tracker, writeback: Writeback) -> list[LayerRecord]:
+    # At most one rank file and a few source files are open at any time, whatever N: each rank file is
+    # opened for its chunk of a layer and closed again (N·layers opens, each far cheaper than its write).
     ckpt, ranks = plan.source, plan.world_size
     (directory / "shards").mkdir()
+    paths = [directory / rank_file_name(r, ranks) for r in range(ranks)]
     buf = memoryview(bytearray(max(lay.total_bytes for lay in plan.layouts)))
-    src_fds: dict[str, int] = {}
-    rank_paths = [directory / rank_file_name(r, ranks) for r in range(ranks)]
-    rank_fds = [os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644) for path in rank_paths]
+    sources = _SourceFiles(ckpt)
     records = []
     try:
+        for path in paths:
+            _create_rank_file(path, plan.rank_header, plan.rank_file_bytes)
         for lay, file_offset in zip(plan.layouts, plan.file_offsets):
             flat = buf[: lay.total_bytes]
             at = 0
@@ -117,34 +136,68 @@ def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, C
                     dest[:] = producers[e.name]()
                 else:
                     t = ckpt.tensors[e.name]
-                    if t.file not in src_fds:
-                        src_fds[t.file] = os.open(ckpt.files[t.file].path, os.O_RDONLY)
-                    pread_exact(src_fds[t.file], dest, t.start, ckpt.files[t.file].path)
+                    pread_exact(sources.fd(t.file), dest, t.start, ckpt.files[t.file].path)
                 at = e.offset + e.nbytes
                 tracker(e.nbytes)
             flat[at:] = bytes(lay.total_bytes - at)
             sums = []
-            for r, fd in enumerate(rank_fds):
+            for r, path in enumerate(paths):
                 lo, hi = chunk_range(r, lay.chunk_bytes)
                 chunk = flat[lo:hi]
-                sums.append(xxhash.xxh3_128_hexdigest(chunk))
-                with writing(rank_paths[r]):
-                    pwrite_all(fd, chunk, file_offset)
-                writeback.start(rank_paths[r], file_offset, len(chunk))
+                sums.append(digest(chunk))
+                with writing(path):
+                    fd = os.open(path, os.O_WRONLY)
+                    try:
+                        pwrite_all(fd, chunk, file_offset)
+                    finally:
+                        os.close(fd)
+                writeback.start(path, file_offset, len(chunk))  # fsynced by writeback.finish, with the rest
             records.append(LayerRecord.from_layout(lay, file_offset, tuple(sums)))
-        for r, fd in enumerate(rank_fds):
-            with writing(rank_paths[r]):
-                os.ftruncate(fd, plan.rank_file_bytes)
     except OSError as exc:
         raise OutputError(f"{directory.parent}: writing rank files failed ({exc.strerror or exc})") from None
     finally:
-        for fd in (*rank_fds, *src_fds.values()):
-            os.close(fd)
+        sources.close()
     return records
 
 
+def _create_rank_file(path: Path, header: bytes, size: int) -> None:
+    # The header first; the rest of the file is a hole until the chunks are written, and the gaps between
+    # chunks stay holes, which read as zeros.
+    with writing(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            pwrite_all(fd, memoryview(header), 0)
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+
+
+class _SourceFiles:
+    """Open source files, at most MAX_OPEN at once (least recently used closed first)."""
+
+    MAX_OPEN = 8
+
+    def __init__(self, ckpt: SourceCheckpoint):
+        self.ckpt = ckpt
+        self.fds: OrderedDict[str, int] = OrderedDict()
+
+    def fd(self, name: str) -> int:
+        if name in self.fds:
+            self.fds.move_to_end(name)
+            return self.fds[name]
+        if len(self.fds) >= self.MAX_OPEN:
+            os.close(self.fds.popitem(last=False)[1])
+        self.fds[name] = os.open(self.ckpt.files[name].path, os.O_RDONLY)
+        return self.fds[name]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
 class _ReplicatedWriter:
-    """Writes the replicated part, one file per call (from any thread), then its index."""
+    """Writes the replicated part, one file per call (from any thread), then the notice file and the index."""
 
     def __init__(self, directory: Path, plan: ConvertPlan, producers: dict[str, Callable[[], Any]], copy_mode: str,
                  tracker: _Tracker, writeback: Writeback):
@@ -157,7 +210,7 @@ class _ReplicatedWriter:
     def write(self, f: ReplicatedFile) -> tuple[bool, list[str]] | None:
         """Link, copy or rewrite one file: (linked, the tensors it keeps), or None when it is dropped."""
         sf = self.plan.source.files[f.name]
-        dest = self.directory / f.name
+        dest = self.directory / f.out_name
         if f.tensors is not None and not f.tensors:
             return None  # every tensor of this file became a target: drop the file
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -179,8 +232,9 @@ class _ReplicatedWriter:
         return False, [spec.name for spec in f.tensors]
 
     def write_index(self, results: dict[str, tuple[bool, list[str]] | None]) -> tuple[list[str], list[str], int, int]:
-        """The replicated index, from every file's result: (linked files, copied files, tensors, bytes)."""
-        ckpt = self.plan.source
+        """The notice file and the replicated index, from every file's result: (linked files, copied files,
+        tensors, bytes)."""
+        ckpt, directory = self.plan.source, self.directory
         weight_map: dict[str, str] = {}
         linked: list[str] = []
         copied: list[str] = []
@@ -188,14 +242,35 @@ class _ReplicatedWriter:
             result = results[f.name]
             if result is None:
                 continue
-            (linked if result[0] else copied).append(f.name)
-            for t in result[1]:
-                weight_map[t] = f.name
+            (linked if result[0] else copied).append(f.out_name)
+            for name in result[1]:
+                weight_map[name] = f.out_name
         total = sum(ckpt.tensors[t].nbytes for t in weight_map)
-        index = {"metadata": {**ckpt.index_metadata, "total_size": total},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        write_atomically(self.directory / REPLICATED_INDEX, json.dumps(index, indent=2) + "\n")
+        # The targets point at a file that does not exist, so a plain loader fails naming it; the notice file
+        # exists so that loaders which glob *.safetensors fail naming its tensor (docs/format.md).
+        with writing(directory / NOTICE_FILE):
+            write_safetensors(directory / NOTICE_FILE, [OutTensor(NOTICE_TENSOR, "U8", (1,), bytes(1))],
+                              {"format": "pt", "shardprep": NOTICE_TEXT})
+        index_map = {**weight_map, **{name: SHARDED_SENTINEL for name in self.plan.targets.names},
+                     NOTICE_TENSOR: NOTICE_FILE}
+        index = {"metadata": {**ckpt.index_metadata, "total_size": total, "shardprep": NOTICE_TEXT},
+                 "weight_map": dict(sorted(index_map.items()))}
+        write_atomically(directory / REPLICATED_INDEX, json.dumps(index, indent=2) + "\n")
         return linked, copied, len(weight_map), total
+
+
+def _digest_replicated_files(directory: Path, world_size: int) -> tuple[FileRecord, ...]:
+    """Size and XXH3-128 of every file in `directory` but the manifest and the rank files."""
+    own = {MANIFEST_NAME, *(rank_file_name(r, world_size) for r in range(world_size))}
+    records = []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        dirnames.sort()
+        for name in sorted(filenames):
+            rel = Path(dirpath, name).relative_to(directory).as_posix()
+            if rel not in own:
+                size, hexdigest = file_digest(Path(dirpath, name))
+                records.append(FileRecord(rel, size, hexdigest))
+    return tuple(sorted(records, key=lambda f: f.path))
 
 
 def _link_or_copy(src: Path, dest: Path, mode: str) -> bool:

@@ -14,8 +14,8 @@
  * Layout: codes and q are C-contiguous [rows, cols] uint8 matrices; scale and sf are C-contiguous
  * [ceil(rows/128), ceil(cols/128)] float32; the last row and column of blocks may be partial. A table holds
  * the new codes of the codes 0x00-0x7F; codes 0x80-0xFF are their negatives and every step of the recipe is
- * symmetric, so code c becomes table[c & 0x7F] ^ (c & 0x80) (an exclusive or: with a negative scale the
- * table's own codes are negative).
+ * symmetric, so code c becomes table[c & 0x7F] ^ (c & 0x80) (an exclusive or: with a scale of -0.0 the
+ * table's own codes are -0). A negative scale is left to the torch path, which refuses it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -79,7 +79,7 @@ static float pow2_ceil(float x) {
 
 /* One block's new scale and table, from its largest code and its scale; 0 when amax is not finite. */
 static int block_table(uint8_t top, float scale, int sglang, uint8_t *table, float *sf_out) {
-    float x_top = e4m3_value[top] * fabsf(scale); /* |code value * scale|: a scale may be negative */
+    float x_top = e4m3_value[top] * fabsf(scale); /* |code value * scale|: the scale may be -0.0 */
     if (sglang)
         x_top = round_to_bfloat16(x_top);
     if (!isfinite(x_top))
@@ -150,7 +150,8 @@ __attribute__((target("avx2"))) static void lookup_row_avx2(const uint8_t *row, 
 }
 #endif
 
-/* The whole matrix; 0 when a block needs the elementwise torch path (a NaN code, a non-finite scale or amax).
+/* The whole matrix; 0 when a block needs the elementwise torch path (a NaN code, a non-finite or negative
+   scale, a non-finite amax).
    top and tables hold one row of blocks. */
 static int requant(const uint8_t *codes, Py_ssize_t rows, Py_ssize_t cols, const float *scale, int sglang,
                    int avx2, uint8_t *q, float *sf, uint8_t *top, uint8_t *tables) {
@@ -173,7 +174,7 @@ static int requant(const uint8_t *codes, Py_ssize_t rows, Py_ssize_t cols, const
         const float *block_scale = scale + (i0 / BLOCK) * blocks_k;
         float *block_sf = sf + (i0 / BLOCK) * blocks_k;
         for (Py_ssize_t b = 0; b < blocks_k; b++) {
-            if (top[b] == 0x7f || !isfinite(block_scale[b]))
+            if (top[b] == 0x7f || !isfinite(block_scale[b]) || block_scale[b] < 0.0f)
                 return 0;
             if (!block_table(top[b], block_scale[b], sglang, tables + b * 128, block_sf + b))
                 return 0;
@@ -236,7 +237,8 @@ static PyObject *requant_matrix(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"requant_matrix", requant_matrix, METH_VARARGS,
      "requant_matrix(codes, rows, cols, scale, sglang, q, sf, avx2=True) -> bool: requantize one matrix into q and "
-     "sf; False (q and sf incomplete) when a block holds a NaN code or a non-finite scale or amax."},
+     "sf; False (q and sf incomplete) when a block holds a NaN code, a non-finite or negative scale or a non-finite "
+     "amax."},
     {NULL, NULL, 0, NULL},
 };
 

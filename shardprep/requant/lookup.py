@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import RequantError
+
 try:
     from . import _block_requant as compiled  # type: ignore[attr-defined,unused-ignore]
 except ImportError:  # built without a C compiler: the numpy code below
@@ -111,14 +113,43 @@ def e8m0_codes(pow2: np.ndarray) -> np.ndarray:
     return ((np.ascontiguousarray(pow2, dtype=np.float32).view(np.uint32) >> 23) & 0xFF).astype(np.uint8)
 
 
+def first_negative(scale: np.ndarray) -> tuple[int, ...] | None:
+    """Index of the first negative element (NaN and -0.0 are not negative), or None.
+
+    A negative `weight_scale_inv` has no power-of-two form: requantizing it would write NaN codes.
+
+    >>> first_negative(np.array([[1.0, -0.0], [-2.0, 3.0]], np.float32)), first_negative(np.ones(3))
+    ((1, 0), None)
+    """
+    negative = np.asarray(scale, dtype=np.float32) < 0
+    if not negative.any():
+        return None
+    return tuple(int(i) for i in np.argwhere(negative)[0])
+
+
+def refuse_negative_scale(scale_inv: np.ndarray, name: str) -> None:
+    """Raise RequantError naming `name` if a block scale (float32 numpy array) is negative.
+
+    >>> try:
+    ...     refuse_negative_scale(np.array([[0.5, -1.0]], np.float32), "demo.weight")
+    ... except RequantError as exc:
+    ...     print(str(exc)[:73])
+    tensor 'demo.weight': weight_scale_inv is negative at index (0, 1) (-1.0)
+    """
+    where = first_negative(scale_inv)
+    if where is not None:
+        raise RequantError(f"tensor {name!r}: weight_scale_inv is negative at index {where} "
+                           f"({float(scale_inv[where])}); block scales must be positive, the checkpoint is corrupt")
+
+
 def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str, out: np.ndarray | None = None,
                    use_compiled: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
     """Requantize one [rows, cols] matrix of fp8 codes (uint8) with its float32 block scales.
 
     Returns (uint8 codes of the same shape, in `out` when given, a C-contiguous array; float32
-    power-of-two scales of scale's shape), or None when a block holds a NaN code or a non-finite scale
-    or amax. `use_compiled=False` takes the numpy code even where the C one was built (the tests compare
-    the two).
+    power-of-two scales of scale's shape), or None when a block holds a NaN code or a non-finite or
+    negative scale, or a non-finite amax. `use_compiled=False` takes the numpy code even where the C one
+    was built (the tests compare the two).
 
     >>> q, sf = requant_matrix(np.full((2, 3), 0x60, np.uint8), np.array([[3.0]], np.float32), "sglang")
     >>> sf.tolist(), int(q[0, 0])  # code 0x60 is 32; 32 * 3 = 96; 96 / 448 → 0.25; 96 / 0.25 = 384 is code 124
@@ -132,7 +163,7 @@ def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str, out: np.nd
         done = compiled.requant_matrix(codes, rows, cols, np.ascontiguousarray(scale, dtype=np.float32),
                                        recipe == "sglang", q, sf)
         return (q, sf) if done else None
-    if not np.isfinite(scale).all():
+    if not np.isfinite(scale).all() or first_negative(scale) is not None:
         return None
     top = np.empty(scale.shape, dtype=np.uint8)
     _block_top(codes, top)
@@ -159,7 +190,7 @@ def block_tables(top: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[np.nd
     ([[0.25]], 124)
     """
     with np.errstate(over="ignore", invalid="ignore"):
-        x_top = E4M3_VALUES[top] * np.abs(scale)  # |code value · scale|: a scale may be negative
+        x_top = E4M3_VALUES[top] * np.abs(scale)  # |code value · scale|: the scale may be -0.0
         if recipe == "sglang":
             x_top = round_to_bfloat16(x_top)
         if not np.isfinite(x_top).all():

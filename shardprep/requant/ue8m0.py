@@ -14,7 +14,7 @@ import torch
 
 from ..errors import RequantError
 from . import RECIPES
-from .lookup import BLOCK, CHUNK_ELEMENTS, are_e8m0_powers_of_two, e8m0_codes, requant_codes
+from .lookup import BLOCK, CHUNK_ELEMENTS, are_e8m0_powers_of_two, e8m0_codes, refuse_negative_scale, requant_codes
 
 FP8_MAX = 448.0
 # Below this block maximum every block gets the same scale (2^-22), so all-zero blocks stay well defined.
@@ -45,8 +45,8 @@ def requant_ue8m0(
     [..., ceil(N/128), ceil(K/128)]. Returns (float8_e4m3fn of weight's shape, float32 powers of two of
     scale_inv's shape), both on the CPU; the work itself runs on `device`, and "cuda" gives the same
     bytes as "cpu". `recipe="sglang"` rounds the dequantized weight to bfloat16 first, as SGLang does;
-    `recipe="fp32"` (vLLM's) does not. Raises RequantError, naming `name`, for non-finite scales or
-    dequantized values unless `allow_nonfinite`.
+    `recipe="fp32"` (vLLM's) does not. Raises RequantError, naming `name`, for a negative scale (always)
+    and for non-finite scales or dequantized values unless `allow_nonfinite`.
 
     >>> w = torch.full((2, 3), 192.0).to(torch.float8_e4m3fn)  # 192 * 3 = 576 = 288 * 2
     >>> q, s = requant_ue8m0(w, torch.tensor([[3.0]]), name="demo.weight")
@@ -55,6 +55,7 @@ def requant_ue8m0(
     """
     run_on = _resolve_device(device, name)
     _check_inputs(weight, scale_inv, block, recipe, name)
+    refuse_negative_scale(scale_inv.to(torch.float32).cpu().numpy(), name)
     if not allow_nonfinite:
         _refuse_nonfinite(scale_inv.to(torch.float32), name, what="scale_inv")
     *batch, n, k = weight.shape

@@ -169,20 +169,19 @@ def decide(requested: bool | None, reason: str | None) -> Decision:
 
 
 def layout_reason(manifest: Manifest, granularity: int) -> str | None:
-    """`misalignment` with the fix appended (the manifest's chunk alignment, when it records one).
+    """`misalignment` with the fix appended (and the chunk alignment the manifest records).
 
     >>> from shardprep.manifests import plan_layer, TensorSpec, LayerRecord, Manifest
     >>> lay = plan_layer(1, [TensorSpec("l.1.w", "BF16", (1024, 1024))], world_size=2)
     >>> layout_reason(Manifest(2, ("a", "b"), (LayerRecord.from_layout(lay, 0),)), 2 * MIB).split(";")[1]
-    ' convert with --chunk-alignment 2MiB (this manifest has no chunk_alignment)'
+    " convert with --chunk-alignment 2MiB (this manifest's chunk_alignment is 16)"
     """
     problem = misalignment(manifest, granularity)
     if problem is None:
         return None
-    # chunk_alignment arrives with format v2; older manifests have none.
-    alignment = getattr(manifest, "chunk_alignment", None)
-    recorded = f"its chunk_alignment is {alignment}" if alignment is not None else "has no chunk_alignment"
-    return f"{problem}; convert with --chunk-alignment {_size(granularity).replace(' ', '')} (this manifest {recorded})"
+    # Format v2 records chunk_alignment; a v1 manifest reads as 16 (its C was a multiple of 16).
+    return (f"{problem}; convert with --chunk-alignment {_size(granularity).replace(' ', '')} (this manifest's "
+            f"chunk_alignment is {manifest.chunk_alignment})")
 
 
 def slot_bytes(manifest: Manifest, num_slots: int, zero_copy: bool) -> int:
