@@ -99,11 +99,11 @@ def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
             results.update({name: future.result() for name, future in early.items()})
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+        writeback.finish()  # before the index: its fsync would otherwise wait for all of the data
         linked, copied, rep_tensors, rep_bytes = replicated.write_index(results)
-        writeback.finish()
     _copy_other_files(directory, plan)
     manifest = replace(plan.skeleton_manifest(), layers=tuple(records), created_by=f"shardprep {__version__}",
-                       replicated_files=_digest_replicated_files(directory, plan.world_size))
+                       replicated_files=_digest_replicated_files(directory, plan.world_size, replicated.digests))
     text = manifest.to_json()
     if len(text) > MAX_MANIFEST_BYTES:
         raise OutputError(f"{directory}: the manifest would be {len(text)} bytes, more than readers accept "
@@ -203,6 +203,9 @@ class _ReplicatedWriter:
                  tracker: _Tracker, writeback: Writeback):
         self.directory, self.plan, self.producers = directory, plan, producers
         self.copy_mode, self.tracker, self.writeback = copy_mode, tracker, writeback
+        # Each file's size and checksum for the manifest, taken as soon as the file is written: in a copy
+        # thread that runs beside the rank files rather than in one pass over all of them at the end.
+        self.digests: dict[str, FileRecord] = {}
 
     def takes_producers(self, f: ReplicatedFile) -> bool:
         return any(t.name in self.producers for t in f.tensors or ())
@@ -218,6 +221,7 @@ class _ReplicatedWriter:
             linked = _link_or_copy(sf.path, dest, self.copy_mode)
             if not linked:
                 self.writeback.start(dest, 0, sf.size)
+            self._digest(f.out_name)
             return linked, list(sf.tensors)
         out = []
         for spec in f.tensors:
@@ -229,7 +233,12 @@ class _ReplicatedWriter:
         with writing(dest):
             write_safetensors(dest, out, sf.metadata, progress=self.tracker, writeback=self.writeback)
             _keep_mode(sf.path, dest)
+        self._digest(f.out_name)
         return False, [spec.name for spec in f.tensors]
+
+    def _digest(self, rel: str) -> None:
+        size, hexdigest = file_digest(self.directory / rel)
+        self.digests[Path(rel).as_posix()] = FileRecord(Path(rel).as_posix(), size, hexdigest)
 
     def write_index(self, results: dict[str, tuple[bool, list[str]] | None]) -> tuple[list[str], list[str], int, int]:
         """The notice file and the replicated index, from every file's result: (linked files, copied files,
@@ -259,15 +268,19 @@ class _ReplicatedWriter:
         return linked, copied, len(weight_map), total
 
 
-def _digest_replicated_files(directory: Path, world_size: int) -> tuple[FileRecord, ...]:
-    """Size and XXH3-128 of every file in `directory` but the manifest and the rank files."""
+def _digest_replicated_files(directory: Path, world_size: int,
+                             known: dict[str, FileRecord]) -> tuple[FileRecord, ...]:
+    """Size and XXH3-128 of every file in `directory` but the manifest and the rank files (those in `known`
+    were taken when they were written)."""
     own = {MANIFEST_NAME, *(rank_file_name(r, world_size) for r in range(world_size))}
     records = []
     for dirpath, dirnames, filenames in os.walk(directory):
         dirnames.sort()
         for name in sorted(filenames):
             rel = Path(dirpath, name).relative_to(directory).as_posix()
-            if rel not in own:
+            if rel in known:
+                records.append(known[rel])
+            elif rel not in own:
                 size, hexdigest = file_digest(Path(dirpath, name))
                 records.append(FileRecord(rel, size, hexdigest))
     return tuple(sorted(records, key=lambda f: f.path))
