@@ -6,6 +6,7 @@ The engines themselves run in tests/vllm/ (inside a virtual environment with vll
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,10 +43,15 @@ def llama_out(checkpoint_cache, tmp_path_factory):
     return src, out
 
 
-def test_importing_shardprep_and_its_vllm_plugin_does_not_import_vllm():
+def test_importing_shardprep_and_its_vllm_plugin_does_not_import_vllm(tmp_path):
+    # A stand-in `vllm` package that can be imported, so that an import of it would show in sys.modules.
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
     code = ("import sys, shardprep, shardprep.integrations.vllm, shardprep.integrations.vllm.full_mode, "
-            "shardprep.integrations.vllm.sharded_mode; print('vllm' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+            "shardprep.integrations.vllm.sharded_mode, shardprep.integrations.vllm.compat; "
+            "import importlib.util; assert importlib.util.find_spec('vllm'); print('vllm' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
 
 

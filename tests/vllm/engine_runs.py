@@ -9,10 +9,10 @@ vLLM's offline data-parallel example (`VLLM_DP_*` variables), each running every
 its DP rank. A DP rank waits for its peers before shutting an engine down: an idle rank's engine must
 keep taking part in the collectives until the busiest rank is done.
 
-PLAN: {"dp_size": N, "dp_env": [{VAR: value} per DP rank] (optional), "runs": [{"name", "model" (a
-path, or one per DP rank), "llm" (LLM kwargs), "prompts" (one list per DP rank), "max_tokens" (one per
-DP rank)}]}. RESULTS: {name: [per DP rank: {"tokens": [[ids] per prompt]} or {"error": "Type: message"}]}.
-Tests call `run_engines(plan, workdir)`, which runs this script in a subprocess.
+PLAN: {"dp_size": N, "runs": [{"name", "model" (a path, or one per DP rank), "llm" (LLM kwargs),
+"prompts" (one list per DP rank), "max_tokens" (one per DP rank)}]}. RESULTS: {name: [per DP rank:
+{"tokens": [[ids] per prompt]} or {"error": "Type: message"}]}. Tests call `run_engines(plan, workdir)`,
+which runs this script in a subprocess and keeps everything it prints in `workdir/engines.log`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default asks for a share of the memory node, which is shared here
-    "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per TP worker (TP=2 needs it; TP=1 takes the first)
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per TP worker or DP rank (TP=2 needs it; TP=1 takes the first)
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
@@ -37,11 +37,12 @@ ENV = {
 
 def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict, str]:
     """Run `plan` in a fresh process; (results, everything it printed: vLLM's and the workers' logs)."""
-    plan_path, results_path = workdir / "plan.json", workdir / "results.json"
+    plan_path, results_path, log_path = workdir / "plan.json", workdir / "results.json", workdir / "engines.log"
     plan_path.write_text(json.dumps(plan))
-    done = subprocess.run([sys.executable, __file__, str(plan_path), str(results_path)], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **ENV})
-    output = done.stdout + done.stderr
+    with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs
+        done = subprocess.run([sys.executable, __file__, str(plan_path), str(results_path)], stdout=log,
+                              stderr=subprocess.STDOUT, timeout=timeout, env={**os.environ, **ENV})
+    output = log_path.read_text()
     assert done.returncode == 0 and results_path.exists(), output[-6000:]
     return json.loads(results_path.read_text()), output
 
@@ -74,7 +75,6 @@ def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, d
 def dp_rank_main(plan: dict, dp_rank: int, ports: list[int], barrier, queue) -> None:
     os.environ.update(VLLM_DP_RANK=str(dp_rank), VLLM_DP_RANK_LOCAL=str(dp_rank), VLLM_DP_SIZE=str(plan["dp_size"]),
                       VLLM_DP_MASTER_IP="127.0.0.1")
-    os.environ.update(plan.get("dp_env", [{}] * plan["dp_size"])[dp_rank])
     try:
         queue.put((dp_rank, run_plan(plan, dp_rank, ports, barrier)))
     except BaseException:

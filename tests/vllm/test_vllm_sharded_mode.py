@@ -57,9 +57,7 @@ def engines(checkpoint_cache, tmp_path_factory):
         {"name": "sharded", "model": own, "llm": {**LLM, "model_loader_extra_config": {"shard_weights": True}},
          "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
     ]
-    plan = {"dp_size": 2, "dp_env": [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}],
-            "runs": runs}
-    results, output = run_engines(plan, root)
+    results, output = run_engines({"dp_size": 2, "runs": runs}, root)
     return results, output, manifest, own
 
 
