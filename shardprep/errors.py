@@ -23,7 +23,27 @@ class LayoutError(ShardprepError):
 
 
 class ManifestError(ShardprepError):
-    """A manifest does not follow the schema or breaks a layout invariant."""
+    """A manifest does not follow the schema or breaks a layout invariant.
+
+    `code` is the stable problem code `validate --json` reports (docs/reliability.md lists them).
+    """
+
+    def __init__(self, message: str, *, code: str = "manifest_invalid"):
+        super().__init__(message)
+        self.code = code
+
+
+class IntegrityError(ShardprepError):
+    """A file does not hold what the format says: missing, truncated, corrupt, unsafe path, checksum mismatch.
+
+    `code` is a stable snake_case problem code (docs/reliability.md); `file`, `layer` and `tensor` say
+    where, when known. `validate` reports these as problems; loaders raise them.
+    """
+
+    def __init__(self, message: str, *, code: str = "corrupt_file", file: str | None = None,
+                 layer: int | None = None, tensor: str | None = None):
+        super().__init__(message)
+        self.code, self.file, self.layer, self.tensor = code, file, layer, tensor
 
 
 class OutputError(ShardprepError):
@@ -36,3 +56,7 @@ class RequantError(ShardprepError):
 
 class RuntimeShardError(ShardprepError):
     """The runtime cannot load or gather as asked (rank mismatch, collective misalignment, ...)."""
+
+
+class ProfileError(ShardprepError):
+    """A profile file is unreadable, of another schema, or does not describe the model being planned."""

@@ -16,6 +16,9 @@ def test_dry_run_measures_every_configuration_without_errors(tmp_path):
     data = json.loads(out.read_text())
     assert data["errors"] == {}
     configs = {s["config"] for s in data["steps"] if s["ms"] is not None}
-    assert configs == {"replicated", "shardprep-gloo", "fsdp2", "fsdp2-prefetch"}
-    assert all(data["checks"].values()) and len(data["checks"]) == 3
-    assert "| shardprep-gloo |" in proc.stdout
+    # Every sharding choice (all layers, odd layers), with and without alignment tags; FSDP2 on all.
+    assert configs == {"replicated", "shardprep-gloo", "shardprep-gloo-notags", "shardprep-gloo [odd]",
+                       "shardprep-gloo-notags [odd]", "fsdp2", "fsdp2-prefetch"}
+    assert data["sizes"]["sharded"] == {"all": [0, 1, 2], "odd": [1]}
+    assert all(data["checks"].values()) and len(data["checks"]) == 6
+    assert "| shardprep-gloo [odd] |" in proc.stdout and "Alignment tags" in proc.stdout

@@ -167,3 +167,18 @@ def test_a_forward_that_raises_inside_a_layer_is_abandoned(world_of_one, llama_d
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(src)(ids).logits)
     assert binding.forward_count == 2
+
+
+def test_every_other_layer_sharded_matches_transformers(world_of_one, checkpoint_cache, tmp_path):
+    src = checkpoint_cache("llama", layers=5)
+    out = tmp_path / "odd-layers"
+    convert(src, out, 1, preset="llama", layers="1-:2")
+    binding = build_model(out, "cpu")
+    assert [layer.index for layer in binding.layers] == [1, 3]
+    ids = torch.tensor([[1, 5, 7, 9, 33, 40]])
+    with torch.no_grad():
+        got = [binding.model(ids).logits for _ in range(2)]
+        want = reference(src)(ids).logits
+    assert torch.equal(got[0], want) and torch.equal(got[1], want)
+    assert binding.model.model.layers[3].self_attn.q_proj.weight.isnan().all()  # sharded: a placeholder again
+    assert not binding.model.model.layers[2].self_attn.q_proj.weight.isnan().any()  # replicated: its own weight

@@ -10,7 +10,7 @@ import pytest
 import torch
 from checkpoints import read_state_dict
 
-from shardprep.errors import RuntimeShardError
+from shardprep.errors import IntegrityError
 from shardprep.loader.full_targets import iter_full_targets
 from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert
@@ -62,7 +62,8 @@ def test_only_the_chunks_holding_the_wanted_tensors_are_read(converted, tmp_path
     assert list(got) == [first.name]
     assert torch.equal(got[first.name], read_state_dict(src)[first.name])
     last = record.entries[-1]  # lies in a later rank's chunk, whose file is gone
-    with pytest.raises(RuntimeShardError, match=r"rank-0000[12].*missing"):
+    missing = r"rank-0000([12])-of-00003\.safetensors: rank \1's shard file .* not found"
+    with pytest.raises(IntegrityError, match=missing):
         dict(iter_full_targets(only0, names=[last.name]))
 
 
@@ -72,7 +73,7 @@ def test_flipped_byte_in_a_chunk_is_refused_naming_the_rank_file(converted, tmp_
     bad = copy_of(out, tmp_path / "bad")
     record = manifest.layers[-1]
     flip_byte(bad / manifest.rank_files[2], record.file_offset + record.chunk_bytes // 2)
-    with pytest.raises(RuntimeShardError, match=f"{manifest.rank_files[2]}: layer {record.layer}'s chunk .* corrupt"):
+    with pytest.raises(IntegrityError, match=f"{manifest.rank_files[2]}: layer {record.layer}'s chunk .* corrupt"):
         for _ in iter_full_targets(bad):
             pass
     # Without verification the same bytes are read as they are (the check is what refuses them).
@@ -85,8 +86,19 @@ def test_truncated_or_missing_rank_file_is_refused_naming_it(converted, tmp_path
     short = copy_of(out, tmp_path / "short")
     path = short / manifest.rank_files[1]
     os.truncate(path, manifest.layers[-1].file_offset + 1)
-    with pytest.raises(RuntimeShardError, match=f"{manifest.rank_files[1]}: ends inside layer .* truncated"):
+    with pytest.raises(IntegrityError, match=f"{manifest.rank_files[1]}: truncated"):
         dict(iter_full_targets(short, verify=False))
     path.unlink()
-    with pytest.raises(RuntimeShardError, match=f"{manifest.rank_files[1]}: rank 1's shard file is missing"):
+    with pytest.raises(IntegrityError, match=f"{manifest.rank_files[1]}: rank 1's shard file .* not found"):
         dict(iter_full_targets(short))
+
+
+def test_a_rank_file_of_another_conversion_is_refused_by_its_header(converted, checkpoint_cache, tmp_path):
+    _, out = converted
+    other = tmp_path / "other"
+    convert(checkpoint_cache("llama", layers=4), other, 3, preset="llama", layers="2-")  # other layers: other header
+    mixed = copy_of(out, tmp_path / "mixed")
+    rel = load_manifest(out).rank_files[0]
+    shutil.copyfile(other / load_manifest(other).rank_files[0], mixed / rel)
+    with pytest.raises(IntegrityError, match=f"{rel}: its safetensors header is not the one the manifest implies"):
+        dict(iter_full_targets(mixed, verify=False))

@@ -21,6 +21,7 @@ from shardprep.errors import RuntimeShardError
 from shardprep.prep.convert import convert
 
 WORLD_SIZES = (2, 4, 8)  # 8: the seed's one-node deployment, for correctness (no 8-GPU machine is lent)
+SLIP_SIZES = (2, 4)  # the misalignment scenarios wait out gloo timeouts: not at every size
 
 
 def local_only_dir(out: Path, rank: int, dest: Path) -> Path:
@@ -124,6 +125,31 @@ def _suite(rank: int, n: int, dirs: list[str], src_dir: str, other_out: str) -> 
     result["errors"] = errors
     result["after_errors"] = forward(d)
 
+    # Call sequences that must never let a gather overwrite a slot still being read.
+    seq = LayerGatherer(shards, timeout=timedelta(seconds=60))
+    result["sequences"] = {name: _script(seq, shards, src, ops) for name, ops in _sequences(seq.layers).items()}
+    result["no_false_alarm"] = _error(seq.begin)  # every sequence above kept the ranks aligned
+    result["no_false_alarm"] = result["no_false_alarm"] or _rest_of_forward(seq, shards, src, start=0) or None
+
+    # A rank abandons a forward after one layer while its peers finish it (and, untagged, abandon the
+    # next one instead): five gathers each, paired by position, so some views hold the wrong layer's
+    # bytes. Without tags nothing notices. With tags, a rank raises at the first begin() after a
+    # forward with a slipped pair has completed; a rank whose peers stopped there times out instead
+    # of hanging (each run on a gloo group of its own, which a stuck gather leaves unusable).
+    for tagged in (True, False) if n in SLIP_SIZES else ():
+        side = dist.new_group(backend="gloo", timeout=timedelta(seconds=5))
+        m = LayerGatherer(shards, group=side, timeout=timedelta(seconds=3), alignment_tags=tagged)
+        wrong, error = _misaligned_forwards(m, shards, src, abandons_first=rank == n - 1)
+        again = _error(m.begin) if error and "misaligned" in error else None
+        result["misaligned" if tagged else "misaligned_untagged"] = {"wrong": wrong, "error": error, "again": again}
+
+    # Rank 0 runs two forwards on g1, its peers one on g2 then one on g1: layer positions line up,
+    # the forward counts of the second pair do not. Every gather completes; then g1 raises everywhere.
+    g1, g2 = LayerGatherer(shards), LayerGatherer(shards)
+    for gatherer in ([g1, g1] if rank == 0 else [g2, g1]):
+        forward(gatherer)
+    result["forward_slip"] = _error(g1.begin)
+
     if n == 4:  # a gatherer refuses shards converted for another world size, naming both
         foreign = open_rank(other_out, rank % 2)
         result["foreign_world"] = _error(lambda: LayerGatherer(foreign))
@@ -140,6 +166,74 @@ def _suite(rank: int, n: int, dirs: list[str], src_dir: str, other_out: str) -> 
     else:
         time.sleep(3)  # stay up (not gathering) until rank 0 has timed out
     return result
+
+
+def _sequences(layers) -> dict[str, list[tuple]]:
+    """Scripts of gatherer calls (op, layer): misuse between and inside forwards, then a clean forward."""
+    a, b, c = layers
+    body = [("wait", a), ("done", a), ("wait", b), ("done", b), ("wait", c), ("done", c)]
+    full = [("begin",), *body]
+    return {
+        "stray_done_after_prefetch": [*full, ("prefetch",), ("done", c), ("done", a), ("begin",), *body, *full],
+        "skipped_done": [("begin",), ("wait", a), ("wait", b), ("wait", c), *full],
+        "late_done": [("begin",), ("wait", a), ("wait", b), ("done", a), ("done", b), ("wait", c), ("done", c), *full],
+        "done_twice": [("begin",), ("wait", a), ("done", a), ("done", a), ("wait", b), ("done", b), ("done", b),
+                       ("wait", c), ("done", c), ("done", c), *full],
+        "prefetch_after_skipped_last_done": [("begin",), ("wait", a), ("done", a), ("wait", b), ("done", b),
+                                             ("wait", c), ("prefetch",), ("begin",), *body, *full],
+        "prefetch_twice": [*full, ("prefetch",), ("prefetch",), ("begin",), *body],
+        "begin_twice_then_midway": [("begin",), ("begin",), ("wait", a), ("done", a), ("begin",), *body, *full],
+        "stray_done_then_begin_twice_after_prefetch": [*full, ("prefetch",), ("done", b), ("begin",), ("begin",),
+                                                       *body],
+    }
+
+
+def _script(g, shards, src, ops) -> list[str]:
+    """Run `ops`; every view stays checked until its done() (or, done() skipped, until the next call
+    that may refill its slot), after a pause in which a gather wrongly issued into its slot would land
+    (gloo gathers run on background threads)."""
+    held: dict[int, dict] = {}
+    bad: list[str] = []
+    for op, *arg in ops:
+        if held:
+            time.sleep(0.02)
+            for layer, views in held.items():
+                bad += [f"before {op}{tuple(arg)}: layer {layer}'s {name} changed while it was read"
+                        for name in _mismatches(views, shards.manifest.layer(layer), src)]
+        if op == "done":
+            held.pop(arg[0], None)
+            g.done(arg[0])
+            continue
+        held.clear()
+        if op == "wait":
+            views = g.wait(arg[0])
+            bad += [f"wait({arg[0]}): {name}" for name in _mismatches(views, shards.manifest.layer(arg[0]), src)]
+            held[arg[0]] = views
+        elif op == "begin":
+            g.begin()
+        else:
+            g.prefetch_first()
+    return bad
+
+
+def _misaligned_forwards(g, shards, src, abandons_first: bool) -> tuple[list[str], str | None]:
+    """Five gathers on every rank, of layers in different orders: the views that came out wrong, and
+    the error that stopped it (or that the next begin() raises)."""
+    a = g.layers[0]
+    wrong: list[str] = []
+    try:
+        g.begin()
+        if abandons_first:
+            g.wait(a)  # issues the second gather; then the forward is abandoned
+            g.begin()
+            wrong += _rest_of_forward(g, shards, src, start=0)
+        else:
+            wrong += _rest_of_forward(g, shards, src, start=0)
+            g.begin()
+            wrong += _mismatches(g.wait(a), shards.manifest.layer(a), src)
+    except RuntimeShardError as exc:
+        return wrong, str(exc)
+    return wrong, _error(g.begin)
 
 
 def _rest_of_forward(g, shards, src, start):
@@ -163,7 +257,7 @@ def _mismatches(views: dict, record, src: dict) -> list[str]:
 
 
 def _views_in_slots(g) -> bool:
-    ranges = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in g._slots]
+    ranges = [(s.memory.data_ptr(), s.memory.data_ptr() + s.memory.numel()) for s in g._slots]
     return all(any(a <= t.data_ptr() < b for a, b in ranges) for views in g._views for t in views.values())
 
 
@@ -252,6 +346,38 @@ def test_debug_alignment_mismatch_names_the_disagreeing_rank(runs, n):
         msg = r["mismatch"]
         assert msg is not None and f"rank(s) [{n - 1}] differ from rank(s) {list(range(n - 1))}" in msg
         assert "step 101" in msg and "step 100" in msg
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_no_call_sequence_overwrites_a_slot_still_being_read(runs, n):
+    for r in runs[n][2]:
+        assert set(r["sequences"]) == set(_sequences((1, 2, 3)))
+        assert {name: bad for name, bad in r["sequences"].items() if bad} == {}
+        assert r["no_false_alarm"] is None
+
+
+@pytest.mark.parametrize("n", SLIP_SIZES)
+def test_a_rank_that_abandons_a_forward_alone_is_caught_at_the_next_begin(runs, n):
+    results = runs[n][2]
+    # Without tags the schedules slip silently: ranks computed with another layer's bytes.
+    assert all(r["misaligned_untagged"]["wrong"] for r in results)
+    assert all(r["misaligned_untagged"]["error"] is None for r in results)
+    # With tags the ranks that completed the slipped forward (all but the one that abandoned) raise
+    # at their next begin(), and stay failed; the abandoning rank is left waiting and times out.
+    for rank, r in enumerate(results):
+        msg = r["misaligned"]["error"]
+        if rank < n - 1:
+            assert msg is not None and "gathers are misaligned" in msg and "was paired with rank" in msg, msg
+            assert r["misaligned"]["again"] == msg
+        else:
+            assert msg is not None and ("gathers are misaligned" in msg or "did not complete within" in msg), msg
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_a_forward_count_slip_is_caught_even_when_layer_positions_line_up(runs, n):
+    for r in runs[n][2]:
+        msg = r["forward_slip"]
+        assert msg is not None and "forward 1" in msg and "forward 2" in msg, msg
 
 
 def test_a_peer_that_stops_gathering_times_out_instead_of_hanging(runs):

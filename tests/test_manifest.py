@@ -7,26 +7,51 @@ import jsonschema
 import pytest
 
 from shardprep.errors import ManifestError
-from shardprep.manifests import LayerRecord, Manifest, TensorSpec, plan_file_offsets, plan_layer, rank_file_name
+from shardprep.manifests import (
+    FileRecord,
+    LayerRecord,
+    Manifest,
+    TensorSpec,
+    plan_layer,
+    plan_rank_file,
+    rank_file_name,
+)
 from shardprep.manifests.manifest import manifest_schema
 
 
 def small_manifest(world_size=2) -> dict:
+    """A valid format-2 manifest of two layers (checksums are placeholders: no files are read here)."""
     layouts = [
         plan_layer(i, [TensorSpec(f"m.layers.{i}.w", "BF16", (5, 3)), TensorSpec(f"m.layers.{i}.b", "F32", (3,))],
                    world_size)
         for i in (1, 2)
     ]
-    offsets = plan_file_offsets([lay.chunk_bytes for lay in layouts])
+    offsets, _ = plan_rank_file([(lay.layer, lay.chunk_bytes) for lay in layouts], world_size, 4096)
     records = tuple(LayerRecord.from_layout(lay, off, ("0" * 32,) * world_size) for lay, off in zip(layouts, offsets))
-    m = Manifest(world_size, tuple(rank_file_name(r, world_size) for r in range(world_size)), records)
+    m = Manifest(world_size, tuple(rank_file_name(r, world_size) for r in range(world_size)), records,
+                 source={"path": "/models/m", "repo_id": None, "revision": None, "commit": None, "files": []},
+                 replicated_files=(FileRecord("model.safetensors.index.json", 10, "1" * 32),),
+                 selection={"preset": None, "preset_targets": [], "targets": ["*"], "layers": "1-",
+                            "layer_pattern": "x"},
+                 requant_options={"mode": "auto", "scope": "all", "recipe": "sglang", "scale_format": "f32",
+                                  "allow_nonfinite": False})
     return m.to_dict()
 
 
-def test_round_trip_and_schema_file_is_valid_json_schema():
+def test_round_trip_and_schema_files_are_valid_json_schema():
     data = small_manifest()
     jsonschema.Draft202012Validator.check_schema(manifest_schema())
+    jsonschema.Draft202012Validator.check_schema(manifest_schema(1))
     assert Manifest.from_dict(json.loads(json.dumps(data))).to_dict() == data
+
+
+def test_unknown_keys_are_ignored_within_the_major_version():
+    data = small_manifest()
+    data["added_in_2_1"] = {"anything": [1, 2]}
+    data["layers"][0]["future_field"] = "x"
+    data["layers"][0]["entries"][0]["hint"] = 3
+    m = Manifest.from_dict(data)
+    assert m.layers[0].entries[0].name == data["layers"][0]["entries"][0]["name"]
 
 
 def mutate(path, value):
@@ -41,7 +66,16 @@ def mutate(path, value):
 @pytest.mark.parametrize(
     "path,value,message",
     [
-        (("version",), 2, "version 2 is not supported"),
+        (("version",), 3, "version 3 is not supported"),
+        (("version",), 2.0, "version 2.0 is not supported"),
+        (("world_size",), 2.0, "schema violation"),
+        (("world_size",), True, "schema violation"),
+        (("layers", 0, "checksums"), [], "schema violation"),
+        (("chunk_alignment",), 24, "not a power of two"),
+        (("file_alignment",), 8192, "max\\(4096, chunk_alignment\\)"),
+        (("rank_files", 0), "shards/rank-00000-of-00002.bin", "not 'shards/rank-00000-of-00002.safetensors'"),
+        (("rank_files", 0), "shards/./x", "schema violation"),
+        (("replicated_files",), [], "schema violation"),
         (("format",), "other", "schema violation"),
         (("entry_alignment",), 8, "schema violation"),
         (("rank_files", 0), "/etc/passwd", "schema violation"),

@@ -12,7 +12,7 @@ import pytest
 import torch
 from checkpoints import read_state_dict
 
-from shardprep.errors import RuntimeShardError
+from shardprep.errors import IntegrityError, RuntimeShardError
 from shardprep.loader import RankShards, open_rank
 from shardprep.loader.rank_shards import copy_through_staging
 from shardprep.manifests import load_manifest
@@ -70,7 +70,7 @@ def test_loads_with_only_its_own_rank_file(out3, tmp_path):
     d = only_rank(out3, 1, tmp_path / "r1")
     shards = open_rank(d, 1, 3, verify=True)
     assert bytes(shards.buffer.numpy()) == (out3 / load_manifest(out3).rank_files[1]).read_bytes()
-    with pytest.raises(RuntimeShardError, match=r"rank-00000-of-00003\.bin: rank 0's shard file is missing"):
+    with pytest.raises(RuntimeShardError, match=r"rank-00000-of-00003\.safetensors: rank 0's shard file is missing"):
         open_rank(d, 0, 3)
 
 
@@ -120,7 +120,7 @@ def test_load_replicated_is_every_non_target_bit_exact(out3, checkpoint_cache):
 def test_load_replicated_names_a_missing_index(out3, tmp_path):
     d = shutil.copytree(out3, tmp_path / "noindex")
     (d / "model.safetensors.index.json").unlink()
-    with pytest.raises(RuntimeShardError, match="model.safetensors.index.json: not found"):
+    with pytest.raises(IntegrityError, match="model.safetensors.index.json: safetensors index not found"):
         open_rank(d, 0).load_replicated()
 
 

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 import torch
-from checkpoints import read_state_dict
 from typer.testing import CliRunner
 
 from shardprep.cli import app
+from shardprep.loader import open_rank
 from shardprep.manifests import account, load_manifest
 from shardprep.prep.convert import convert
 
@@ -55,7 +55,8 @@ def transformers_outputs(src, prompts, causal, max_new_tokens=K, device="cpu"):
 def check_memory(summary, out):
     """Per rank: R/N (+ 4 KiB alignment per layer) + 2·max|T| + the non-target bytes, and nothing else."""
     manifest = load_manifest(out)
-    acc = account(manifest, non_target_bytes=sum(t.nbytes for t in read_state_dict(out).values()))
+    replicated = open_rank(out, 0).load_replicated()
+    acc = account(manifest, non_target_bytes=sum(t.nbytes for t in replicated.values()))
     for m in summary["ranks"]:
         assert acc.non_target_bytes <= m["parameter_bytes"] <= acc.non_target_bytes + 16  # + one NaN placeholder
         assert acc.local_chunk_bytes <= m["shard_bytes"] <= acc.local_chunk_bytes + 4096 * len(manifest.layers)
@@ -72,8 +73,9 @@ def check_memory(summary, out):
         ("qwen3-moe", True, 4, {"preset": "qwen3-moe"}, ["gpu rank layer"]),
         ("bert", False, 2, {"targets": ["*.attention.self.*.weight", "*.intermediate.dense.weight"],
                             "layers": "all"}, ["hello fast world", "the layer"]),
+        ("llama", False, 2, {"preset": "llama", "layers": "0,2-:2"}, ["shard every other layer"]),
     ],
-    ids=["llama-n2-idle-rank", "qwen3-moe-sharded-n4", "bert-all-layers-n2"],
+    ids=["llama-n2-idle-rank", "qwen3-moe-sharded-n4", "bert-all-layers-n2", "llama-even-layers-n2"],
 )
 def test_run_matches_transformers_bit_for_bit(checkpoint_cache, tmp_path, arch, sharded, nproc, convert_kw,
                                               prompts):

@@ -3,9 +3,18 @@
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from shardprep.errors import SelectionError
-from shardprep.prep.selection import Selection, builtin_presets, load_preset, parse_layer_range, select_targets
+from shardprep.prep.selection import (
+    Selection,
+    builtin_presets,
+    format_layers,
+    load_preset,
+    parse_layers,
+    select_targets,
+)
 
 NAMES = [
     "model.embed_tokens.weight",
@@ -22,7 +31,7 @@ def test_default_layer_range_skips_layer_zero():
 
 
 def test_preset_fuses_qkv_per_layer():
-    plan = select_targets(NAMES, Selection(preset=load_preset("llama"), layers=parse_layer_range("all")))
+    plan = select_targets(NAMES, Selection(preset=load_preset("llama"), layers=parse_layers("all")))
     (group,) = plan.groups[0]
     assert group.name == "model.layers.0.self_attn.qkv_proj.weight"
     assert group.members == tuple(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
@@ -40,27 +49,51 @@ def test_target_outside_any_layer_is_an_error():
 
 def test_selection_outside_layer_range_is_an_error():
     with pytest.raises(SelectionError, match="matches no tensor in layers 5-"):
-        select_targets(NAMES, Selection(targets=("*.mlp.*",), layers=parse_layer_range("5-")))
+        select_targets(NAMES, Selection(targets=("*.mlp.*",), layers=parse_layers("5-")))
 
 
 def test_custom_layer_pattern():
     names = ["enc.stage7.w", "enc.stage8.w"]
     plan = select_targets(names, Selection(targets=("enc.*",), layer_pattern=r"stage(\d+)\.",
-                                           layers=parse_layer_range("8")))
+                                           layers=parse_layers("8")))
     assert plan.layers == {8: ["enc.stage8.w"]}
 
 
-@pytest.mark.parametrize("text,start,stop", [("1-", 1, None), ("2-4", 2, 4), ("-3", 0, 3), ("5", 5, 5),
-                                             ("all", 0, None)])
-def test_layer_range_parsing(text, start, stop):
-    r = parse_layer_range(text)
-    assert (r.start, r.stop) == (start, stop)
+@pytest.mark.parametrize("text,selected", [
+    ("1-", [1, 2, 3, 4, 5, 6, 7, 8, 9]), ("2-4", [2, 3, 4]), ("-3", [0, 1, 2, 3]), ("5", [5]), ("all", list(range(10))),
+    ("1,3,5-7", [1, 3, 5, 6, 7]), ("1-:2", [1, 3, 5, 7, 9]), ("0-6:3", [0, 3, 6]), ("-4:2,9", [0, 2, 4, 9]),
+    (" 1 , 8- ", [1, 8, 9]),
+])
+def test_layers_parse_lists_ranges_and_strides(text, selected):
+    assert parse_layers(text).resolve(range(10)) == selected
 
 
-@pytest.mark.parametrize("bad", ["x", "4-2", "1-2-3"])
-def test_bad_layer_range_is_refused(bad):
-    with pytest.raises(SelectionError):
-        parse_layer_range(bad)
+@pytest.mark.parametrize("bad,why", [("x", "not a layer N"), ("4-2", "before start"), ("1-2-3", "not a layer N"),
+                                     ("1,,3", "not a layer N"), ("5:2", "stride needs a range"),
+                                     ("1-:0", "stride must be >= 1")])
+def test_bad_layers_are_refused_naming_the_item(bad, why):
+    with pytest.raises(SelectionError, match=why):
+        parse_layers(bad)
+
+
+@given(st.sets(st.integers(0, 80), min_size=1), st.integers(81, 90))
+def test_formatted_layers_parse_back_to_the_same_set(layers, num_layers):
+    text = format_layers(layers, num_layers=num_layers)
+    assert parse_layers(text).resolve(range(num_layers)) == sorted(layers)
+    assert parse_layers(format_layers(layers)).resolve(range(num_layers)) == sorted(layers)
+
+
+def test_format_folds_runs_and_strides():
+    assert format_layers([1, 3, 5, 7], num_layers=8) == "1-:2"
+    assert format_layers(range(8), num_layers=8) == "all"
+    assert format_layers([1, 3, 5, 6, 7, 8]) == "1-5:2,6-8"
+    assert format_layers([2, 9]) == "2,9"
+
+
+def test_strided_selection_shards_every_other_layer():
+    names = [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(6)]
+    plan = select_targets(names, Selection(targets=("*.q_proj.weight",), layers=parse_layers("1-:2")))
+    assert list(plan.layers) == [1, 3, 5]
 
 
 def test_builtin_presets_and_user_preset_file(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from shardprep.cli import app
+from shardprep.manifests.manifest import seal
 from shardprep.prep.convert import convert
 from shardprep.prep.validate import validate
 
@@ -27,7 +28,8 @@ def manifest(out):
 
 
 def write_manifest(out, data):
-    (out / "shard_manifest.json").write_text(json.dumps(data))
+    """A deliberate edit, sealed as convert seals a manifest, so only the edit itself is under test."""
+    (out / "shard_manifest.json").write_text(seal(json.dumps(data, indent=1)))
 
 
 def test_fresh_output_is_valid_with_and_without_source(converted):
@@ -47,7 +49,7 @@ def test_flipped_byte_in_a_rank_file_fails_checksum(converted):
     data[m["layers"][1]["file_offset"] + 3] ^= 0xFF
     path.write_bytes(bytes(data))
     report = validate(out)
-    assert not report.ok and any("layer 2 chunk checksum mismatch" in p for p in report.problems)
+    assert not report.ok and any("layer 2 chunk checksum mismatch" in p for p in report.messages)
     result = runner.invoke(app, ["validate", str(out)])
     assert result.exit_code == 1 and "checksum mismatch" in result.stderr
 
@@ -67,7 +69,7 @@ def test_nonzero_padding_is_found_even_with_a_matching_checksum(converted):
     chunk = bytes(data[layer["file_offset"]:layer["file_offset"] + layer["chunk_bytes"]])
     layer["checksums"][last_rank] = xxhash.xxh3_128_hexdigest(chunk)
     write_manifest(out, m)
-    problems = validate(out).problems
+    problems = validate(out).messages
     assert any("padding bytes" in p and "are not zero" in p for p in problems), problems
 
 
@@ -77,7 +79,7 @@ def test_wrong_size_and_missing_rank_file(converted):
     with open(out / m["rank_files"][0], "ab") as f:
         f.write(b"x")
     os.remove(out / m["rank_files"][2])
-    problems = validate(out).problems
+    problems = validate(out).messages
     assert any("size is" in p for p in problems) and any("rank 2 file is missing" in p for p in problems)
 
 
@@ -87,7 +89,7 @@ def test_paths_leaving_the_directory_are_refused(converted):
     m["rank_files"][0] = "../outside.bin"
     write_manifest(out, m)
     report = validate(out)
-    assert not report.ok and "schema violation" in report.problems[0]
+    assert not report.ok and "schema violation" in report.messages[0]
 
 
 def test_symlink_escaping_the_directory_is_refused(converted, tmp_path):
@@ -97,7 +99,7 @@ def test_symlink_escaping_the_directory_is_refused(converted, tmp_path):
     outside = tmp_path / "elsewhere.bin"
     shutil.move(target, outside)
     os.symlink(outside, target)
-    assert any("leaves the output directory" in p for p in validate(out).problems)
+    assert any("leaves the output directory" in p for p in validate(out).messages)
 
 
 def test_source_tensor_missing_from_output_is_reported(converted):
@@ -107,14 +109,14 @@ def test_source_tensor_missing_from_output_is_reported(converted):
     dropped = "model.embed_tokens.weight"
     del index["weight_map"][dropped]
     index_path.write_text(json.dumps(index))
-    problems = validate(out, source=src).problems
+    problems = validate(out, source=src).messages
     assert any(f"source tensor '{dropped}' is neither a target nor in" in p for p in problems)
 
 
 def test_target_bytes_that_differ_from_source_are_reported(converted, checkpoint_cache, tmp_path):
     _, out = converted
     other = checkpoint_cache("deepseek-v3", sharded=True, seed=1)
-    problems = validate(out, source=other).problems
+    problems = validate(out, source=other).messages
     assert any("bytes rebuilt from the rank files differ from the source" in p for p in problems)
 
 

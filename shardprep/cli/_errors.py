@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 import typer
 
 from ..errors import ShardprepError
+from ..prep.output_dir import output_outcome
 
 EXIT_INVALID = 1
 EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
 
 
 def debug_enabled() -> bool:
@@ -30,6 +35,33 @@ def cli_errors() -> Iterator[None]:
         msg = str(exc) if isinstance(exc, ShardprepError) else f"{exc.filename or ''}: {exc.strerror or exc}"
         print(f"error: {msg}", file=sys.stderr)
         raise typer.Exit(EXIT_ERROR) from None
-    except KeyboardInterrupt:
-        print("interrupted; nothing was written to the output directory", file=sys.stderr)
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        cause = f" by {exc.args[0]}" if exc.args else ""
+        print(f"interrupted{cause}; {output_outcome(exc) or 'nothing was written'}", file=sys.stderr)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+@contextmanager
+def stop_signals_interrupt() -> Iterator[None]:
+    """SIGTERM (schedulers, `timeout`, `docker stop`) stops a command exactly like Ctrl-C.
+
+    The first SIGINT or SIGTERM raises KeyboardInterrupt (its argument names the signal); later ones are
+    ignored, so the cleanup that the interrupt starts (removing a staging directory) runs to its end.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = False
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -8,14 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+from ..manifests.accounting import human_bytes as human_bytes  # one byte formatter for the library and the CLI
 
 
 def print_json(data: Any) -> None:
@@ -47,3 +40,74 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[int, in
             bar.update(task, completed=done, total=total)
 
         yield update
+
+
+def parse_token_counts(text: str) -> tuple[int, ...]:
+    """'1,16,128' -> (1, 16, 128); a ShardprepError naming the option otherwise."""
+    from ..errors import ShardprepError
+
+    try:
+        counts = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise ShardprepError(f"--tokens {text!r}: expected comma-separated token counts, e.g. 1,16,128") from None
+    if not counts or min(counts) < 1:
+        raise ShardprepError(f"--tokens {text!r}: expected token counts >= 1")
+    return counts
+
+
+def parse_fraction(text: str, option: str) -> float:
+    """'5%' -> 0.05, '0.05' -> 0.05."""
+    from ..errors import ShardprepError
+
+    t = text.strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise ShardprepError(f"{option} {text!r}: expected a percentage (5%) or a fraction (0.05)") from None
+    if value < 0:
+        raise ShardprepError(f"{option} {text!r}: must not be negative")
+    return value
+
+
+def parse_size(text: str, option: str) -> int:
+    """'2MiB' -> 2097152, '4096' -> 4096 (B, KiB, MiB, GiB; K/M/G mean the binary units too)."""
+    import re
+
+    from ..errors import ShardprepError
+
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise ShardprepError(f"{option} {text!r}: expected a size such as 4096, 64KiB or 2MiB")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+
+
+def capacity_rows(totals: dict[str, Any], capacity: dict[str, Any], kv: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The per-rank memory and KV-cache lines `plan` and `inspect` both print, as (label, value)."""
+    n = totals["world_size"]
+    rows = [
+        ("sharded weights R (held whole on every rank without sharding)", human_bytes(totals["sharded_bytes"])),
+        ("local chunks R/N" + (" (padded to the chunk alignment)" if totals["padding_bytes"] else ""),
+         human_bytes(totals["local_chunk_bytes"])),
+        (f"gather slots {totals['slot_formula']}", human_bytes(totals["slot_bytes"])),
+        ("resident with sharding R/N + slots", human_bytes(totals["resident_bytes"])),
+        ("memory saved per rank R − R/N − slots", human_bytes(totals["saved_bytes"])),
+    ]
+    if totals["padding_bytes"]:
+        rows.append(("  of which alignment padding", human_bytes(totals["padding_bytes"])))
+    rows.append((f"gather bytes received per forward ({n}−1)·Σ C",
+                 human_bytes(totals["gather_recv_bytes_per_forward"])))
+    rows.append(("replicated part (non-targets and unsharded targets)", human_bytes(capacity["replicated_part_bytes"])))
+    rows.append(("startup peak on the GPU: R/N + slots + replicated part", human_bytes(capacity["startup_peak_bytes"])))
+    rows.append(("  host staging while loading (pinned)", human_bytes(capacity["staging_bytes"])))
+    if kv is not None:
+        rows.append((f"KV cache per token ({kv['kind']}, {kv['layers']} layers, {kv['dtype']})",
+                     human_bytes(kv["bytes_per_token"])))
+        rows.append(("KV-cache tokens the saving holds", f"{capacity['kv_tokens']:,}"))
+        rows.append((f"extra concurrent requests at {capacity['context_len']:,} tokens of context",
+                     f"{capacity['extra_requests']:,}"))
+    if capacity["hbm_bytes"] is not None:
+        rows.append((f"HBM left for the KV cache of {capacity['hbm_bytes'] / 1e9:g} GB: replicated",
+                     human_bytes(capacity["kv_room_replicated_bytes"])))
+        rows.append(("  sharded (weights and slots only; activations not counted)",
+                     human_bytes(capacity["kv_room_sharded_bytes"])))
+    return rows

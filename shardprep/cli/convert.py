@@ -7,57 +7,97 @@ from typing import Annotated
 
 import typer
 
-from ._errors import cli_errors
+from ..prep.convert import CopyMode
+from ..prep.requant_jobs import RequantMode, RequantRecipe, RequantScope, ScaleFormat
+from ._errors import cli_errors, stop_signals_interrupt
 from ._format import byte_progress, human_bytes, print_json
 
 
 def convert_command(
-    src: Annotated[str, typer.Argument(help="Local HF model directory, or a hub repo id (resolved via the HF cache).")],
-    out: Annotated[Path, typer.Argument(help="Output directory (created; must be empty unless --overwrite).")],
-    ranks: Annotated[int, typer.Option("--ranks", "-n", help="Number of ranks N to shard across.")],
-    target: Annotated[list[str] | None, typer.Option("--target", "-t",
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Local HF model directory, or a hub repo id (resolved "
+                                                           "via the HF cache).")],
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="Output directory (created; must be empty unless "
+                                                            "--overwrite).")],
+    ranks: Annotated[int, typer.Option("--ranks", "-n", metavar="N", help="Number of ranks N to shard across.")],
+    target: Annotated[list[str] | None, typer.Option("--target", "-t", metavar="GLOB",
                       help="fnmatch glob over full tensor names; repeatable.")] = None,
-    preset: Annotated[str | None, typer.Option(help="Built-in preset (llama, qwen3-moe, deepseek-v3) or a preset "
-                                                    "JSON file.")] = None,
-    layers: Annotated[str, typer.Option(help="Layer range A-B, A-, or 'all'. Default skips layer 0, whose "
-                                             "compute hides layer 1's gather.")] = "1-",
-    layer_pattern: Annotated[str | None, typer.Option(help="Regex with one group capturing the layer index.")] = None,
-    revision: Annotated[str | None, typer.Option(help="Hub revision (branch, tag or commit).")] = None,
-    copy_mode: Annotated[str, typer.Option(help="auto: hard-link unchanged files when possible; link; copy.")] = "auto",
-    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty OUT (atomically).")] = False,
-    requant: Annotated[str, typer.Option(help="auto|ue8m0|none: requantize block-FP8 weights to UE8M0 scales.")]
-    = "auto",
-    requant_scope: Annotated[str, typer.Option(help="all|targets: which block-FP8 weights to requantize.")] = "all",
-    requant_recipe: Annotated[str, typer.Option(help="sglang (bit-exact with SGLang/DeepGEMM) or fp32 (vLLM).")]
-    = "sglang",
-    scale_format: Annotated[str, typer.Option(help="f32: pow2 float32 weight_scale_inv; e8m0: F8_E8M0 tensors.")]
-    = "f32",
+    preset: Annotated[str | None, typer.Option(metavar="NAME|FILE", help="Built-in preset (see `shardprep "
+                                                                        "presets`) or a preset JSON file.")] = None,
+    layers: Annotated[str, typer.Option(metavar="LAYERS", help="Layers to shard: N, A-B, A-, -B, a range with a "
+                                        "stride (1-:2 = every other layer from 1), lists (1,3,5-9), or 'all'; "
+                                        "`shardprep plan` prints one. Default skips layer 0, whose compute hides "
+                                        "layer 1's gather.")] = "1-",
+    layer_pattern: Annotated[str | None, typer.Option(metavar="REGEX", help="Regex with one group capturing the "
+                                                                            "layer index.")] = None,
+    revision: Annotated[str | None, typer.Option(metavar="REV", help="Hub revision (branch, tag or commit).")]
+    = None,
+    copy_mode: Annotated[CopyMode, typer.Option(help="auto: hard-link unchanged files when possible.")]
+    = CopyMode.AUTO,
+    overwrite: Annotated[bool, typer.Option(help="Replace a previous output in OUT (atomically).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the selection and the sizes; write nothing.")]
+    = False,
+    requant: Annotated[RequantMode, typer.Option(help="Requantize block-FP8 weights to UE8M0 (power-of-two) "
+                                                      "scales.")] = RequantMode.AUTO,
+    requant_scope: Annotated[RequantScope, typer.Option(help="Which block-FP8 weights to requantize.")]
+    = RequantScope.ALL,
+    requant_recipe: Annotated[RequantRecipe, typer.Option(help="sglang: bit-exact with SGLang/DeepGEMM; fp32: "
+                                                               "vLLM's.")] = RequantRecipe.SGLANG,
+    scale_format: Annotated[ScaleFormat, typer.Option(help="f32: power-of-two float32 weight_scale_inv; e8m0: "
+                                                           "F8_E8M0 tensors.")] = ScaleFormat.F32,
     allow_nonfinite: Annotated[bool, typer.Option(help="Requantize weights with inf/nan instead of refusing.")]
     = False,
-    device: Annotated[str, typer.Option(help="Device for requantization: cpu or cuda.")] = "cpu",
-    workers: Annotated[int, typer.Option(help="Requant worker threads (0 = one per core).")] = 0,
+    device: Annotated[str, typer.Option(metavar="DEVICE", help="Device for requantization: cpu or cuda.")]
+    = "cpu",
+    workers: Annotated[int, typer.Option(metavar="N", help="Requant worker threads (0 = one per core).")] = 0,
+    chunk_alignment: Annotated[str, typer.Option(metavar="auto|none|SIZE", help="C is a multiple of this and "
+                                                 "chunks start on it (SIZE like 2MiB, for the zero-copy runtime); "
+                                                 "auto: 2MiB when its padding costs <= 1% of Σ|T| per rank, else "
+                                                 "none (16 bytes).")] = "auto",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary "
+                                                          "(schema shardprep/convert-summary/1).")] = False,
 ) -> None:
     """Convert a HF safetensors checkpoint into per-rank flat chunks plus a manifest."""
     from ..prep.convert import convert
     from ..prep.requant_jobs import RequantOptions
 
-    with cli_errors(), byte_progress("convert", not (quiet or json_out)) as progress:
+    with (stop_signals_interrupt(), cli_errors(),
+          byte_progress("convert", not (quiet or json_out or dry_run)) as progress):
         options = RequantOptions(mode=requant, scope=requant_scope, recipe=requant_recipe, scale_format=scale_format,
                                  allow_nonfinite=allow_nonfinite, device=device, workers=workers)
         summary = convert(
             src, out, ranks, targets=target or (), preset=preset, layers=layers, layer_pattern=layer_pattern,
-            revision=revision, copy_mode=copy_mode, overwrite=overwrite, requant=options, progress=progress,
+            revision=revision, copy_mode=copy_mode, overwrite=overwrite, requant=options, dry_run=dry_run,
+            chunk_alignment=chunk_alignment, progress=progress,
         )
     if json_out:
         print_json(summary.to_dict())
+    elif dry_run:
+        _print_dry_run(summary.plan)
     elif not quiet:
         typer.echo(
             f"wrote {summary.out}: {len(summary.layers)} layers, {summary.target_tensors} target tensors "
             f"({human_bytes(summary.target_bytes)}) in {summary.world_size} rank files of "
-            f"{human_bytes(summary.rank_file_bytes)}; {summary.replicated_tensors} replicated tensors "
+            f"{human_bytes(summary.rank_file_bytes)} (chunk alignment {human_bytes(summary.chunk_alignment)}, "
+            f"{human_bytes(summary.alignment_padding_bytes)} of alignment padding per rank); "
+            f"{summary.replicated_tensors} replicated tensors "
             f"({human_bytes(summary.replicated_bytes)}, {len(summary.linked_files)} files linked); "
             + (f"{summary.requantized_tensors} tensors requantized; " if summary.requantized_tensors else "")
             + f"{summary.seconds:.1f} s"
         )
+
+
+def _print_dry_run(plan: dict) -> None:
+    for layer, names in plan["layers"].items():
+        fused = plan["fused_views"].get(layer, [])
+        typer.echo(f"layer {layer}: {len(names)} targets" + (f", fused {', '.join(fused)}" if fused else ""))
+        for name in names:
+            typer.echo(f"    {name}")
+    n = plan["world_size"]
+    memory = plan["memory"]
+    typer.echo(
+        f"dry run, nothing written: {plan['target_tensors']} targets, Σ|T| = {human_bytes(plan['sharded_bytes'])} "
+        f"in {n} rank files of {human_bytes(plan['rank_file_bytes'])}; per rank resident "
+        f"{human_bytes(memory['resident_bytes'])} (R/N + slots) instead of {human_bytes(plan['sharded_bytes'])}, "
+        f"saved {human_bytes(memory['saved_bytes'])}; {plan['requantized_tensors']} tensors to requantize"
+    )

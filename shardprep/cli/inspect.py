@@ -1,4 +1,4 @@
-"""`shardprep inspect OUT`: per-layer sizes and per-rank memory / communication."""
+"""`shardprep inspect OUT`: per-layer sizes and per-rank memory / communication / KV cache."""
 
 from __future__ import annotations
 
@@ -8,19 +8,27 @@ from typing import Annotated
 import typer
 
 from ._errors import cli_errors
-from ._format import human_bytes, print_json
+from ._format import capacity_rows, human_bytes, print_json
 
 
 def inspect_command(
-    out: Annotated[Path, typer.Argument(help="Output directory of `shardprep convert`.")],
-    num_slots: Annotated[int, typer.Option(help="Gather slots the runtime keeps (full layers resident).")] = 2,
-    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="Output directory of `shardprep convert`.")],
+    num_slots: Annotated[int, typer.Option(metavar="N", help="Gather slots the runtime keeps.")] = 2,
+    kv_dtype: Annotated[str, typer.Option(
+        metavar="DTYPE", help="KV-cache dtype: auto (the model's), bf16, fp16, fp8, fp32.")] = "auto",
+    context_len: Annotated[int, typer.Option(
+        min=1, metavar="TOKENS", help="Context length of one request, for the extra requests the saving allows.")]
+    = 8192,
+    hbm_gb: Annotated[float, typer.Option(metavar="GB", help="HBM per GPU in GB (10^9 bytes); 141 = H200.")] = 141.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (schema shardprep/inspect/1).")]
+    = False,
 ) -> None:
-    """Show each layer's entries, |T| and C, and the totals per rank."""
+    """Show each layer's entries, |T| and C, and per rank what sharding saves and the KV cache it buys."""
     from ..prep.inspect import inspect
 
     with cli_errors():
-        info = inspect(out, num_slots=num_slots)
+        info = inspect(out, num_slots=num_slots, kv_dtype=kv_dtype, context_len=context_len,
+                       hbm_bytes=int(hbm_gb * 10**9))
     if json_out:
         print_json(info)
         return
@@ -28,29 +36,25 @@ def inspect_command(
     from rich.table import Table
 
     n = info["world_size"]
-    table = Table(title=f"{out}  (N = {n})")
+    table = Table(title=f"{out}  (format v{info['format_version']}, N = {n})")
     for col in ("layer", "entries", "fused views", "|T|", "C = |T|/N", "file offset"):
         table.add_column(col, justify="right")
     for r in info["layers"]:
         table.add_row(str(r["layer"]), str(r["entries"]), str(r["views"]), human_bytes(r["total_bytes"]),
                       human_bytes(r["chunk_bytes"]), str(r["file_offset"]))
-    t = info["totals"]
     totals = Table(show_header=False, title="per rank")
     totals.add_column(justify="left")
     totals.add_column(justify="right")
-    rows = [
-        ("sharded weights R (replicated on every rank without shardprep)", t["sharded_bytes"]),
-        ("local chunks R/N", t["local_chunk_bytes"]),
-        (f"gather slots {t['num_slots']}·max|T|", t["slot_bytes"]),
-        ("resident with sharding R/N + slots", t["resident_bytes"]),
-        ("memory saved per rank", t["saved_bytes"]),
-        ("AllGather bytes received per forward ((N−1)/N·Σ|T|)", t["gather_recv_bytes_per_forward"]),
-        ("non-target (replicated part, unchanged)", t["non_target_bytes"]),
-    ]
-    for label, value in rows:
-        totals.add_row(label, human_bytes(value))
+    for label, value in capacity_rows(info["totals"], info["capacity"], info["kv_cache"]):
+        totals.add_row(label, value)
     console = Console()
     console.print(table)
     console.print(totals)
+    console.print(f"slots: {info['slot_model']}")
+    console.print(f"rank files: {human_bytes(info['rank_file_bytes'])} each, chunk alignment "
+                  f"{human_bytes(info['chunk_alignment'])}, {human_bytes(info['alignment_padding_bytes'])} of "
+                  "alignment padding per rank")
+    if info["totals"]["shortfall_reason"]:
+        console.print(f"no memory saved: {info['totals']['shortfall_reason']}")
     if info["quantization"]:
         console.print(f"quantization: {info['quantization']}")

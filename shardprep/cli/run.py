@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -17,27 +18,49 @@ if TYPE_CHECKING:
     from ..runtime.runner import RunReport
 
 
+class Device(str, Enum):
+    """Where the ranks run."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Backend(str, Enum):
+    """Gather backends (the runner's BACKEND_CHOICES; kept here so `--help` never imports torch)."""
+
+    AUTO = "auto"
+    CE = "ce"
+    NCCL = "nccl"
+    NCCL_SYMM = "nccl-symm"
+    GLOO = "gloo"
+
+
 def run_command(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="Output directory of `shardprep convert`.")],
-    nproc: Annotated[int | None, typer.Option(help="Local ranks to start (default: the manifest's world size). "
+    nproc: Annotated[int | None, typer.Option("--nproc", "--nproc-per-node", metavar="N",
+                                              help="Local ranks to start (default: the manifest's world size). "
                                                    "Leave out under torchrun.")] = None,
     prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", metavar="TEXT",
                                                      help="Prompt; repeatable. Prompt i runs on rank i mod N.")]
     = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-k", min=1,
                                                 help="Tokens to generate greedily (causal LMs).")] = 16,
-    device: Annotated[str, typer.Option(help="auto, cpu (gloo) or cuda (NCCL, GPU = local rank).")] = "auto",
-    backend: Annotated[str, typer.Option(help="Gather backend: auto, ce, nccl, nccl-symm or gloo.")] = "auto",
+    device: Annotated[Device, typer.Option(help="cpu: gloo; cuda: one GPU per local rank.")] = Device.AUTO,
+    backend: Annotated[Backend, typer.Option(help="Gather backend (auto picks the best that works).")]
+    = Backend.AUTO,
     save_outputs: Annotated[Path | None, typer.Option(metavar="FILE", help="Rank 0 torch.saves the prompt's "
                                                       "output: logits (causal LMs) or last_hidden_state.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print token ids, texts and per-rank bytes as JSON.")]
-    = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print token ids, texts and per-rank bytes as JSON "
+                                                          "(schema shardprep/run-report/1).")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Let transformers run model code "
+                                                                                "shipped in DIR.")] = False,
 ) -> None:
     """Run prompts on N local ranks from a pre-sharded directory; rank 0 prints the generated text."""
     from ..runtime.runner import DEFAULT_PROMPT, RunOptions, is_torchrun_worker, run
 
-    options = RunOptions(directory, tuple(prompt or (DEFAULT_PROMPT,)), max_new_tokens, device, backend,
-                         save_outputs, json_out)
+    options = RunOptions(directory, tuple(prompt or (DEFAULT_PROMPT,)), max_new_tokens, device.value, backend.value,
+                         save_outputs, json_out, trust_remote_code)
     with cli_errors():
         report = run(options, nproc)
     if report is not None:

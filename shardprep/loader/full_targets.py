@@ -9,15 +9,18 @@ is checked against its checksum in the manifest before any of its bytes is used.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator
-from io import BufferedReader
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
-from ..errors import RuntimeShardError
+from ..errors import IntegrityError
+from ..manifests.checksums import digest
 from ..manifests.dtypes import torch_dtype
+from ..manifests.exact_read import open_for_reading, pread_exact, read_exact
 from ..manifests.layout import Entry, chunk_range
 from ..manifests.manifest import LayerRecord, Manifest, load_manifest
+from ..manifests.paths import resolve_inside
 
 
 def iter_full_targets(
@@ -32,8 +35,9 @@ def iter_full_targets(
     Layer by layer: the layer's chunks are read from all rank files (`manifest.rank_files[r]` at
     `file_offset`) into one buffer of |T| bytes, and its entries are views of it, so at most one layer
     is in memory while the caller consumes them. `names` keeps only those targets (and reads only the
-    chunks they lie in); `verify` checks the XXH3-128 checksum of every chunk read. Fused views are not
-    yielded: their members are, under the checkpoint's own names.
+    chunks they lie in); `verify` checks the XXH3-128 checksum of every chunk read. A rank file is
+    opened when first needed, under the same path rules and header check as `open_rank`. Fused views
+    are not yielded: their members are, under the checkpoint's own names.
 
     >>> for name, tensor in iter_full_targets("out/"):  # doctest: +SKIP
     ...     model_state[name].copy_(tensor)
@@ -41,23 +45,21 @@ def iter_full_targets(
     directory = Path(directory)
     manifest = load_manifest(directory) if manifest is None else manifest
     wanted = None if names is None else set(names)
-    files: dict[int, BufferedReader] = {}
-    try:
+    with ExitStack() as files:
+        fds: dict[int, tuple[int, Path]] = {}
         for record in manifest.layers:
             entries = [e for e in record.entries if wanted is None or e.name in wanted]
             if not entries:
                 continue
             layer = torch.empty(record.total_bytes, dtype=torch.uint8)
             for rank in _ranks_holding(record, entries, manifest.world_size):
-                if rank not in files:
-                    files[rank] = _open_rank_file(directory, manifest, rank)
-                _read_chunk(files[rank], directory / manifest.rank_files[rank], record, rank, layer, verify)
+                if rank not in fds:
+                    fds[rank] = _open_rank_file(files, directory, manifest, rank)
+                fd, path = fds[rank]
+                _read_chunk(fd, path, record, rank, layer, verify)
             for e in entries:
                 yield e.name, layer[e.offset:e.offset + e.nbytes].view(torch_dtype(e.dtype, tensor=e.name)).view(
                     e.shape)
-    finally:
-        for f in files.values():
-            f.close()
 
 
 def _ranks_holding(record: LayerRecord, entries: list[Entry], world_size: int) -> list[int]:
@@ -69,36 +71,26 @@ def _ranks_holding(record: LayerRecord, entries: list[Entry], world_size: int) -
     return sorted(r for r in needed if r < world_size)
 
 
-def _open_rank_file(directory: Path, manifest: Manifest, rank: int) -> BufferedReader:
-    path = directory / manifest.rank_files[rank]
-    try:
-        return open(path, "rb")
-    except FileNotFoundError:
-        raise RuntimeShardError(
-            f"{path}: rank {rank}'s shard file is missing; full mode reads every rank's file, copy the whole output"
-        ) from None
+def _open_rank_file(files: ExitStack, directory: Path, manifest: Manifest, rank: int) -> tuple[int, Path]:
+    path = resolve_inside(directory, manifest.rank_files[rank], what=f"rank {rank}'s shard file")
+    fd = files.enter_context(open_for_reading(path, f"rank {rank}'s shard file (full mode reads every rank's)"))
+    header = manifest.rank_header
+    if header and read_exact(fd, len(header), 0, path) != header:
+        raise IntegrityError(f"{path}: its safetensors header is not the one the manifest implies (a rank file of "
+                             "another conversion, or corrupt); copy it again", code="rank_header_mismatch",
+                             file=str(path))
+    return fd, path
 
 
-def _read_chunk(f: BufferedReader, path: Path, record: LayerRecord, rank: int, layer: torch.Tensor,
-                verify: bool) -> None:
+def _read_chunk(fd: int, path: Path, record: LayerRecord, rank: int, layer: torch.Tensor, verify: bool) -> None:
     start, end = chunk_range(rank, record.chunk_bytes)
     dest = layer.numpy().data[start:end]
-    f.seek(record.file_offset)
-    got = f.readinto(dest)
-    if got != end - start:
-        raise RuntimeShardError(
-            f"{path}: ends inside layer {record.layer}'s chunk (needs bytes {record.file_offset}.."
-            f"{record.file_offset + record.chunk_bytes}); the file is truncated, copy it again"
-        )
+    pread_exact(fd, dest, record.file_offset, path)
     if verify:
-        import xxhash  # only verification needs it
-
-        if not record.checksums:
-            raise RuntimeShardError(f"{path}: layer {record.layer} has no checksums in the manifest; cannot verify")
-        digest = xxhash.xxh3_128_hexdigest(dest)
-        if digest != record.checksums[rank]:
-            raise RuntimeShardError(
+        got = digest(dest)
+        if got != record.checksums[rank]:
+            raise IntegrityError(
                 f"{path}: layer {record.layer}'s chunk (bytes {record.file_offset}.."
-                f"{record.file_offset + record.chunk_bytes}) has checksum {digest}, the manifest says "
-                f"{record.checksums[rank]}; the file is corrupt, copy it again"
-            )
+                f"{record.file_offset + record.chunk_bytes}) has checksum {got}, the manifest says "
+                f"{record.checksums[rank]}; the file is corrupt, copy it again",
+                code="checksum_mismatch", file=str(path), layer=record.layer)

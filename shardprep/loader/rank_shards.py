@@ -1,22 +1,27 @@
 """Open one rank's shard file: map it, optionally verify it, copy it into one device buffer.
 
 Only `rank_files[rank]` is opened; the other ranks' files may be absent from this machine. The file
-is memory-mapped (page cache, never anonymous memory) and copied into the device buffer through a
-bounded pinned staging buffer, so the host's anonymous memory stays at `staging_bytes` whatever the
-size of the model. On a CPU device the buffer itself is the "device" memory and no staging is used.
+is memory-mapped (page cache, never anonymous memory) and copied whole, header included, into the
+device buffer through a bounded pinned staging buffer, so the host's anonymous memory stays at
+`staging_bytes` whatever the size of the model, and `file_offset` is also the offset in the buffer. On a
+CPU device the buffer itself is the "device" memory and no staging is used. Paths, checksums and the
+replicated part are read with the same strict readers `validate` uses (`shardprep.manifests`).
 """
 
 from __future__ import annotations
 
-import json
 import mmap
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ..errors import RuntimeShardError
+from ..errors import IntegrityError, RuntimeShardError
+from ..manifests.checksums import digest
 from ..manifests.manifest import MANIFEST_NAME, Manifest, load_manifest
+from ..manifests.paths import resolve_inside
+from ..manifests.replicated import NOTICE_FILE, check_replicated_file, read_replicated_index
+from ..manifests.safetensors_header import read_safetensors_header
 
 Allocate = Callable[[int], torch.Tensor]
 """allocate(nbytes) → a 1-D uint8 device tensor of that size (for example, registered or shareable memory)."""
@@ -30,7 +35,6 @@ class RankShards:
 
     >>> shards = open_rank("out/", rank=0, device="cuda:0")  # doctest: +SKIP
     >>> shards.chunk(1).numel() == shards.manifest.layer(1).chunk_bytes  # doctest: +SKIP
-    True
     """
 
     def __init__(self, manifest: Manifest, rank: int, buffer: torch.Tensor, directory: str | Path | None = None):
@@ -59,7 +63,6 @@ class RankShards:
         """This rank's chunk of `layer` (a view of the buffer, no copy).
 
         >>> shards.chunk(1)  # doctest: +SKIP
-        tensor([...], device='cuda:0', dtype=torch.uint8)
         """
         try:
             r = self._records[layer]
@@ -79,30 +82,42 @@ class RankShards:
         moved.copy_(self.buffer)
         self.buffer = moved
 
-    def load_replicated(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    def load_replicated(self, device: str | torch.device = "cpu", verify: bool = True) -> dict[str, torch.Tensor]:
         """Every non-target tensor, read from the output directory's safetensors files onto `device`.
+
+        The index and every file go through the strict reader `validate` uses: safe paths only, sizes
+        as the manifest says, headers the safetensors library accepts holding exactly what the index
+        lists, and with `verify` (the default) each file's XXH3-128 checked before it is loaded, which
+        reads it once more. Raises IntegrityError naming the file otherwise.
 
         >>> rest = shards.load_replicated("cuda:0")  # doctest: +SKIP
         >>> rest["model.embed_tokens.weight"].shape  # doctest: +SKIP
-        torch.Size([128256, 8192])
         """
         from safetensors.torch import load_file
 
         if self.directory is None:
             raise RuntimeShardError("these shards were not opened from a directory; use open_rank(DIR, rank)")
-        index = self.directory / self.manifest.replicated_index
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except FileNotFoundError:
-            raise RuntimeShardError(f"{index}: not found; copy the whole output of `shardprep convert`") from None
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise RuntimeShardError(f"{index}: not a safetensors index ({exc}); re-run convert") from None
+        index, problems = read_replicated_index(self.directory, self.manifest, verify=verify)
+        if problems:
+            raise problems[0].error()
         out: dict[str, torch.Tensor] = {}
-        for name in sorted(set(weight_map.values())):
-            path = self.directory / name
-            if not path.is_file():
-                raise RuntimeShardError(f"{path}: listed in {index.name} but missing; copy the whole output dir")
-            out.update(load_file(path, device=str(torch.device(device))))
+        for name in index.files():
+            if name == NOTICE_FILE and self.manifest.version >= 2:
+                continue
+            path = check_replicated_file(self.directory, self.manifest, name, verify=verify)
+            held = set(read_safetensors_header(path).tensors)
+            listed = index.tensors_of(name)
+            if held != listed:
+                odd = sorted(held ^ listed)[0]
+                raise IntegrityError(f"{name}: does not hold exactly the tensors {self.manifest.replicated_index} "
+                                     f"maps to it ({odd!r} differs); copy the whole output directory again",
+                                     code="index_mismatch", file=name, tensor=odd)
+            try:
+                out.update(load_file(path, device=str(torch.device(device))))
+            except Exception as exc:  # the library's own SafetensorError, or torch lacking a dtype
+                raise IntegrityError(f"{name}: the safetensors library cannot load it "
+                                     f"({' '.join(str(exc).split())[:200]})", code="invalid_safetensors",
+                                     file=name) from None
         return out
 
 
@@ -117,14 +132,15 @@ def open_rank(
 ) -> RankShards:
     """Load `rank`'s shard file from an output directory of `shardprep convert` into one device buffer.
 
-    `world_size` (when given) must match the manifest's. `verify=True` checks this rank's xxh3-128
+    `world_size` (when given) must match the manifest's. The rank file's path must stay inside `path`
+    (no absolute path, `..` or symlink out), its size must be the manifest's, and (format version 2) its
+    header must be the bytes the manifest implies. `verify=True` also checks this rank's XXH3-128
     checksum of every chunk before copying. `allocate(nbytes)` supplies the device buffer (default:
     `torch.empty` on `device`), for backends that need registered or shareable memory.
 
     >>> shards = open_rank("out/", rank=dist.get_rank(), world_size=dist.get_world_size(),
     ...                    device=f"cuda:{torch.cuda.current_device()}")  # doctest: +SKIP
     >>> shards.nbytes  # doctest: +SKIP
-    1073741824
     """
     directory = Path(path)
     manifest = load_manifest(directory)
@@ -137,19 +153,26 @@ def open_rank(
         )
     if not 0 <= rank < n:
         raise RuntimeShardError(f"{where}: rank {rank} is out of range for world size {n} (ranks 0..{n - 1})")
-    file = directory / manifest.rank_files[rank]
+    file = resolve_inside(directory, manifest.rank_files[rank], what=f"rank {rank}'s file")
     size = manifest.rank_file_bytes
     try:
         with open(file, "rb") as f:
             actual = f.seek(0, 2)
             if actual < size:
                 raise RuntimeShardError(f"{file}: {actual} bytes, but the manifest needs {size}; the file is truncated")
+            if actual > size:
+                raise RuntimeShardError(f"{file}: {actual} bytes, but the manifest says {size}; the file is not the "
+                                        "one this manifest describes")
             # ACCESS_COPY gives a writable (copy-on-write) map so torch.frombuffer needs no copy and no
             # warning; nothing writes to it, so its pages stay file-backed page cache.
             mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
     except FileNotFoundError:
         raise RuntimeShardError(f"{file}: rank {rank}'s shard file is missing; copy it next to {where.name}") from None
+    except (OSError, ValueError) as exc:
+        raise RuntimeShardError(f"{file}: cannot read rank {rank}'s shard file "
+                                f"({getattr(exc, 'strerror', None) or exc})") from None
     try:
+        _check_header(manifest, mapped, file)
         if verify:
             _verify(manifest, rank, mapped, file)
         device = torch.device(device)
@@ -193,30 +216,35 @@ def copy_through_staging(dst: torch.Tensor, src: mmap.mmap | bytes | memoryview,
         for i, start in enumerate(range(0, total, half)):
             k = min(half, total - start)
             h = i % 2
-            if copied[h] is not None:
+            event = copied[h]
+            if event is not None:
                 # The half is about to be overwritten: its previous host→device copy must have finished.
-                copied[h].synchronize()
+                event.synchronize()
             piece = torch.frombuffer(view[start:start + k], dtype=torch.uint8)
             halves[h][:k].copy_(piece)
             del piece
             dst[start:start + k].copy_(halves[h][:k], non_blocking=on_device)
-            if copied[h] is not None:
-                copied[h].record(stream)
+            if event is not None:
+                event.record(stream)
         if stream is not None:
             stream.synchronize()
     finally:
         view.release()
 
 
-def _verify(manifest: Manifest, rank: int, mapped: mmap.mmap, file: Path) -> None:
-    import xxhash  # only verification needs it; the runtime itself depends on torch alone
+def _check_header(manifest: Manifest, mapped: mmap.mmap, file: Path) -> None:
+    expected = manifest.rank_header
+    if mapped[:len(expected)] != expected:
+        raise IntegrityError(f"{file}: its safetensors header is not the one the manifest implies (a rank file of "
+                             "another conversion, or corrupt); copy it again", code="rank_header_mismatch",
+                             file=str(file))
 
+
+def _verify(manifest: Manifest, rank: int, mapped: mmap.mmap, file: Path) -> None:
     view = memoryview(mapped)
     try:
         for r in manifest.layers:
-            if not r.checksums:
-                raise RuntimeShardError(f"{file}: layer {r.layer} has no checksums in the manifest; cannot verify")
-            got = xxhash.xxh3_128_hexdigest(view[r.file_offset:r.file_offset + r.chunk_bytes])
+            got = digest(view[r.file_offset:r.file_offset + r.chunk_bytes])
             if got != r.checksums[rank]:
                 raise RuntimeShardError(
                     f"{file}: layer {r.layer}'s chunk (bytes {r.file_offset}..{r.file_offset + r.chunk_bytes}) "

@@ -1,4 +1,6 @@
-"""The format, pure: dtypes, layout math, manifest dataclasses + JSON schema + invariants, accounting.
+"""The format, pure: dtypes, layout math, the rank file's header, manifest dataclasses + JSON schema +
+invariants, accounting, and the strict readers every loader shares (exact reads, checksums, safe paths,
+hostile JSON, safetensors headers, the replicated part).
 
 No torch at import (`dtypes.torch_dtype` imports it when called) and nothing that writes files.
 """
@@ -7,6 +9,7 @@ from .accounting import MemoryAccount, account
 from .layout import (
     ENTRY_ALIGNMENT,
     FILE_ALIGNMENT,
+    NO_CHUNK_ALIGNMENT,
     Entry,
     FusedGroup,
     FusedView,
@@ -14,22 +17,24 @@ from .layout import (
     TensorSpec,
     align_up,
     chunk_range,
+    file_alignment_for,
     plan_file_offsets,
     plan_layer,
 )
 from .manifest import (
     MANIFEST_NAME,
     REPLICATED_INDEX,
+    FileRecord,
     LayerRecord,
     Manifest,
     check_invariants,
     load_manifest,
-    rank_file_name,
 )
+from .rank_file import plan_rank_file, rank_file_header, rank_file_name
 
 __all__ = [
-    "ENTRY_ALIGNMENT", "FILE_ALIGNMENT", "MANIFEST_NAME", "REPLICATED_INDEX",
-    "Entry", "FusedGroup", "FusedView", "LayerLayout", "LayerRecord", "Manifest", "MemoryAccount", "TensorSpec",
-    "account", "align_up", "check_invariants", "chunk_range", "load_manifest", "plan_file_offsets", "plan_layer",
-    "rank_file_name",
+    "ENTRY_ALIGNMENT", "FILE_ALIGNMENT", "MANIFEST_NAME", "NO_CHUNK_ALIGNMENT", "REPLICATED_INDEX",
+    "Entry", "FileRecord", "FusedGroup", "FusedView", "LayerLayout", "LayerRecord", "Manifest", "MemoryAccount",
+    "TensorSpec", "account", "align_up", "check_invariants", "chunk_range", "file_alignment_for", "load_manifest",
+    "plan_file_offsets", "plan_layer", "plan_rank_file", "rank_file_header", "rank_file_name",
 ]

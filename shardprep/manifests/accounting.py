@@ -1,10 +1,30 @@
-"""Memory and communication accounting for a manifest (pure arithmetic, used by `inspect`)."""
+"""Per-rank memory and gather traffic of a sharded deployment (pure arithmetic, used by `inspect` and `plan`).
+
+Two slot formulas exist, and which one applies depends on the runtime, not on the files:
+
+- copy (today's gather): a slot holds all of T, the rank's own chunk copied in on every gather;
+  resident = R/N + S·max|T|.
+- aliased own chunk (issue 14, CUDA virtual memory): a layer's view maps the rank's own chunk straight
+  from the shard buffer and only the N−1 peer chunks land in the slot; resident = R/N + S·(N−1)/N·max|T|.
+  Mapping works in pages of the CUDA granularity, so every chunk is padded to a `chunk_alignment` of at
+  least `ZERO_COPY_MIN_ALIGNMENT` and that padding is counted.
+
+R = Σ|T| over the sharded layers, S = the number of slots (2: ping-pong), N = ranks.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
+from .layout import ENTRY_ALIGNMENT, align_up, used_bytes
 from .manifest import Manifest
+
+ZERO_COPY_MIN_ALIGNMENT = 2 << 20
+"""CUDA's virtual-memory mapping granularity (2 MiB on H100/H200): the least chunk alignment that lets a
+rank's own chunk be mapped into its layer's view instead of copied."""
 
 
 @dataclass(frozen=True)
@@ -12,27 +32,114 @@ class MemoryAccount:
     """Per-rank bytes with and without sharding.
 
     `sharded_bytes` is R, the target bytes every rank would otherwise hold in full (padding included).
+    `padding_bytes` is what chunk alignment adds to the shards and slots (0 without an alignment).
     """
 
     world_size: int
     num_slots: int
+    num_layers: int
+    aliased_own_chunk: bool
+    chunk_alignment: int
     sharded_bytes: int
     max_layer_bytes: int
     local_chunk_bytes: int
     slot_bytes: int
     resident_bytes: int
     saved_bytes: int
+    padding_bytes: int
     gather_recv_bytes_per_forward: int
     non_target_bytes: int
 
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+    @property
+    def slot_formula(self) -> str:
+        """The slot term of the resident formula that applies, e.g. `2·max|T|` or `2·(N−1)/N·max|T|`."""
+        return f"{self.num_slots}·(N−1)/N·max|T|" if self.aliased_own_chunk else f"{self.num_slots}·max|T|"
+
+    @property
+    def freed_bytes(self) -> int:
+        """What sharding takes off each rank before the slots are paid for: R − R/N."""
+        return self.sharded_bytes - self.local_chunk_bytes
+
+    def shortfall_reason(self) -> str | None:
+        """Why sharding saves nothing here, in one line; None when it saves memory.
+
+        >>> reason = account_layers([1 << 20] * 2, world_size=2).shortfall_reason()
+        >>> reason.split(": ")[0]
+        'the gather slots (2·max|T| = 2.00 MiB) exceed what sharding frees (R − R/N = 1.00 MiB)'
+        >>> reason.split(": ")[1]
+        'with 2 ranks and layers of equal size it pays from 5 sharded layers; 2 are sharded'
+        """
+        if self.saved_bytes > 0:
+            return None
+        need = break_even_layers(self.world_size, self.num_slots, self.aliased_own_chunk)
+        when = ("it never pays with 1 rank" if math.isinf(need)
+                else f"with {self.world_size} ranks and layers of equal size it pays from {math.floor(need) + 1} "
+                     f"sharded layers; {self.num_layers} are sharded")
+        return (f"the gather slots ({self.slot_formula} = {human_bytes(self.slot_bytes)}) exceed what sharding frees "
+                f"(R − R/N = {human_bytes(self.freed_bytes)}): {when}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "slot_formula": self.slot_formula, "freed_bytes": self.freed_bytes,
+                "shortfall_reason": self.shortfall_reason()}
 
 
-def account(manifest: Manifest, non_target_bytes: int = 0, num_slots: int = 2) -> MemoryAccount:
-    """Per-rank memory and AllGather traffic of a sharded deployment.
+def account_layers(
+    layer_bytes: Sequence[int],
+    world_size: int,
+    *,
+    num_slots: int = 2,
+    chunk_alignment: int = ENTRY_ALIGNMENT,
+    aliased_own_chunk: bool = False,
+    non_target_bytes: int = 0,
+) -> MemoryAccount:
+    """Per-rank memory of sharding layers of these |T| (as laid out: a multiple of 16·N) across N ranks.
 
-    resident = R/N + num_slots·max|T|; received per forward = (N−1)/N·Σ|T|.
+    Each chunk C = |T|/N is padded to `chunk_alignment`. Copy path: a slot is N·max C; aliased own
+    chunk: (N−1)·max C. Received per forward: (N−1)·Σ C.
+
+    >>> a = account_layers([8192, 8192], world_size=4)
+    >>> a.local_chunk_bytes, a.slot_bytes, a.saved_bytes
+    (4096, 16384, -4096)
+    >>> account_layers([8192, 8192], world_size=4, aliased_own_chunk=True).slot_bytes
+    12288
+    >>> account_layers([8192] * 2, world_size=4, chunk_alignment=4096, aliased_own_chunk=True).padding_bytes
+    16384
+    """
+    if world_size < 1 or num_slots < 1 or chunk_alignment < 1:
+        raise ValueError(f"world_size, num_slots and chunk_alignment must be >= 1, got "
+                         f"{world_size}, {num_slots}, {chunk_alignment}")
+    n = world_size
+    chunks = [t // n for t in layer_bytes]
+    padded = [align_up(c, chunk_alignment) for c in chunks]
+    max_c = max(padded, default=0)
+    lanes = n - 1 if aliased_own_chunk else n
+    slots = min(num_slots, len(chunks)) * lanes * max_c
+    local = sum(padded)
+    total = sum(layer_bytes)
+    unpadded = sum(chunks) + min(num_slots, len(chunks)) * lanes * max(chunks, default=0)
+    return MemoryAccount(
+        world_size=n,
+        num_slots=num_slots,
+        num_layers=len(chunks),
+        aliased_own_chunk=aliased_own_chunk,
+        chunk_alignment=chunk_alignment,
+        sharded_bytes=total,
+        max_layer_bytes=max(layer_bytes, default=0),
+        local_chunk_bytes=local,
+        slot_bytes=slots,
+        resident_bytes=local + slots,
+        saved_bytes=total - local - slots,
+        padding_bytes=local + slots - unpadded,
+        gather_recv_bytes_per_forward=(n - 1) * local,
+        non_target_bytes=non_target_bytes,
+    )
+
+
+def account(manifest: Manifest, non_target_bytes: int = 0, num_slots: int = 2, *,
+            aliased_own_chunk: bool = False) -> MemoryAccount:
+    """Per-rank memory and gather traffic of a converted directory's manifest (see `account_layers`).
+
+    resident = R/N + num_slots·max|T| (copy) or R/N + num_slots·(N−1)/N·max|T| (aliased own chunk).
 
     >>> from shardprep.manifests import plan_layer, TensorSpec, LayerRecord, Manifest
     >>> lay = plan_layer(1, [TensorSpec("layers.1.w", "BF16", (64, 64))], world_size=4)
@@ -41,21 +148,50 @@ def account(manifest: Manifest, non_target_bytes: int = 0, num_slots: int = 2) -
     >>> a.sharded_bytes, a.local_chunk_bytes, a.gather_recv_bytes_per_forward
     (8192, 2048, 6144)
     """
+    # |T| as the 16-byte rule lays it out; account_layers pads C to the manifest's chunk alignment again, so
+    # the padding that alignment added to the files is counted as padding, not as sharded weights.
     n = manifest.world_size
-    total = sum(r.total_bytes for r in manifest.layers)
-    local = sum(r.chunk_bytes for r in manifest.layers)
-    max_t = manifest.max_total_bytes
-    slots = min(num_slots, len(manifest.layers)) * max_t
-    resident = local + slots
-    return MemoryAccount(
-        world_size=n,
-        num_slots=num_slots,
-        sharded_bytes=total,
-        max_layer_bytes=max_t,
-        local_chunk_bytes=local,
-        slot_bytes=slots,
-        resident_bytes=resident,
-        saved_bytes=total - resident,
-        gather_recv_bytes_per_forward=total - local,
-        non_target_bytes=non_target_bytes,
-    )
+    unaligned = [n * align_up(-(-used_bytes(r.entries) // n), ENTRY_ALIGNMENT) for r in manifest.layers]
+    return account_layers(unaligned, n, num_slots=num_slots, chunk_alignment=manifest_chunk_alignment(manifest),
+                          aliased_own_chunk=aliased_own_chunk, non_target_bytes=non_target_bytes)
+
+
+def manifest_chunk_alignment(manifest: Manifest) -> int:
+    """The alignment a manifest's chunks are padded to: its `chunk_alignment` where the format records one
+    (issue 14's layout option), else the 16-byte entry alignment every format version guarantees."""
+    return int(getattr(manifest, "chunk_alignment", None) or ENTRY_ALIGNMENT)
+
+
+def zero_copy_applies(chunk_alignment: int, device_type: str = "cuda") -> bool:
+    """Whether a rank's own chunk can be mapped into its layer view (CUDA, chunks aligned to 2 MiB or more).
+
+    >>> zero_copy_applies(2 << 20), zero_copy_applies(4096), zero_copy_applies(2 << 20, "cpu")
+    (True, False, False)
+    """
+    return device_type == "cuda" and chunk_alignment >= ZERO_COPY_MIN_ALIGNMENT
+
+
+def break_even_layers(world_size: int, num_slots: int = 2, aliased_own_chunk: bool = False) -> float:
+    """Sharded layers of equal size at which the saving is exactly zero; more layers save memory.
+
+    L·|T|·(N−1)/N = S·|T| (copy) or S·(N−1)/N·|T| (aliased): L = S·N/(N−1), or S.
+
+    >>> break_even_layers(2), break_even_layers(8), break_even_layers(2, aliased_own_chunk=True)
+    (4.0, 2.2857142857142856, 2.0)
+    """
+    if world_size < 2:
+        return math.inf
+    return float(num_slots) if aliased_own_chunk else num_slots * world_size / (world_size - 1)
+
+
+def human_bytes(n: float) -> str:
+    """A byte count in binary units, as every shardprep report prints it.
+
+    >>> human_bytes(1536), human_bytes(-49152), human_bytes(512)
+    ('1.50 KiB', '-48.00 KiB', '512 B')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

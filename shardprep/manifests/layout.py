@@ -2,8 +2,9 @@
 
 A layer's targets are packed into one flat buffer T. Entries sit at 16-byte aligned offsets in a
 deterministic order; members of a fused group sit back to back so the fused weight is a zero-copy
-view. |T| is padded with zeros to a multiple of 16·N and split into N equal chunks of C = |T|/N
-bytes: rank i holds T[i·C:(i+1)·C], whatever tensors those bytes belong to.
+view. |T| is padded with zeros so that it splits into N equal chunks of C = |T|/N bytes, C a multiple
+of the chunk alignment (16 bytes, or e.g. 2 MiB for the runtime's zero-copy mapping): rank i holds
+T[i·C:(i+1)·C], whatever tensors those bytes belong to.
 """
 
 from __future__ import annotations
@@ -16,6 +17,30 @@ from .dtypes import tensor_nbytes
 
 ENTRY_ALIGNMENT = 16
 FILE_ALIGNMENT = 4096
+# `--chunk-alignment none`: C a multiple of 16 bytes (format version 1's rule).
+NO_CHUNK_ALIGNMENT = ENTRY_ALIGNMENT
+# Above this the spaces that pad a rank file's header to the first chunk would pass safetensors' 100 MB
+# header limit.
+MAX_CHUNK_ALIGNMENT = 64 << 20
+
+
+def file_alignment_for(chunk_alignment: int) -> int:
+    """Alignment of every `file_offset` for a chunk alignment: max(4096, chunk_alignment).
+
+    >>> file_alignment_for(16), file_alignment_for(2 << 20)
+    (4096, 2097152)
+    """
+    return max(FILE_ALIGNMENT, chunk_alignment)
+
+
+def is_chunk_alignment(value: object) -> bool:
+    """True for a valid chunk alignment: a power of two from 16 bytes to 64 MiB.
+
+    >>> is_chunk_alignment(16), is_chunk_alignment(2 << 20), is_chunk_alignment(24), is_chunk_alignment(8)
+    (True, True, False, False)
+    """
+    return (isinstance(value, int) and not isinstance(value, bool) and NO_CHUNK_ALIGNMENT <= value
+            <= MAX_CHUNK_ALIGNMENT and value & (value - 1) == 0)
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -91,11 +116,13 @@ def plan_layer(
     world_size: int,
     groups: Sequence[FusedGroup] = (),
     entry_alignment: int = ENTRY_ALIGNMENT,
+    chunk_alignment: int = NO_CHUNK_ALIGNMENT,
 ) -> LayerLayout:
     """Pack one layer's tensors into a flat buffer split into `world_size` equal chunks.
 
     Tensors are ordered by name; a fused group takes the place of its first-sorted member and keeps
-    its declared member order, with no gap between members.
+    its declared member order, with no gap between members. C is the smallest multiple of
+    `chunk_alignment` with N·C covering the entries.
 
     >>> t = [TensorSpec("l.0.b", "BF16", (3, 5)), TensorSpec("l.0.a", "F32", (2,))]
     >>> lay = plan_layer(0, t, world_size=2)
@@ -104,6 +131,8 @@ def plan_layer(
     """
     if world_size < 1:
         raise LayoutError(f"world size must be >= 1, got {world_size}")
+    if not is_chunk_alignment(chunk_alignment):
+        raise LayoutError(f"chunk alignment {chunk_alignment!r} is not a power of two from 16 bytes to 64 MiB")
     if not tensors:
         raise LayoutError(f"layer {layer} has no tensors to lay out")
     by_name = {t.name: t for t in tensors}
@@ -123,12 +152,12 @@ def plan_layer(
     order: list[str] = []
     placed_groups: set[str] = set()
     for name in sorted(by_name):
-        g = group_of.get(name)
-        if g is None:
+        group = group_of.get(name)
+        if group is None:
             order.append(name)
-        elif g.name not in placed_groups:
-            placed_groups.add(g.name)
-            order.extend(g.members)
+        elif group.name not in placed_groups:
+            placed_groups.add(group.name)
+            order.extend(group.members)
 
     entries: list[Entry] = []
     offset = 0
@@ -145,8 +174,8 @@ def plan_layer(
         rows = sum(by_name[m].shape[0] for m in g.members)
         views.append(FusedView(g.name, first.dtype, (rows, *first.shape[1:]), at[g.members[0]].offset, g.members))
 
-    total = align_up(max(offset, 1), entry_alignment * world_size)
-    return LayerLayout(layer, tuple(entries), tuple(views), total, total // world_size)
+    chunk = align_up(-(-max(offset, 1) // world_size), chunk_alignment)
+    return LayerLayout(layer, tuple(entries), tuple(views), chunk * world_size, chunk)
 
 
 def _check_fusable(group: FusedGroup, members: list[TensorSpec], entry_alignment: int) -> None:
@@ -183,6 +212,27 @@ def plan_file_offsets(chunk_bytes: Sequence[int], file_alignment: int = FILE_ALI
         offsets.append(at)
         at += c
     return offsets
+
+
+def used_bytes(entries: Sequence[Entry]) -> int:
+    """Where the last entry of T ends: the bytes of T before its tail padding.
+
+    >>> used_bytes([Entry("a", "F32", (3,), 0, 12), Entry("b", "F32", (1,), 16, 4)])
+    20
+    """
+    return max((e.offset + e.nbytes for e in entries), default=0)
+
+
+def alignment_padding_bytes(rank_file_bytes: int, header_bytes: int, used: Sequence[int], world_size: int) -> int:
+    """Bytes of each rank's file (and device buffer) that are alignment padding.
+
+    Everything but the header and the rank's share ⌈used/N⌉ of each layer: the chunks' tail padding
+    and the gaps between chunks.
+
+    >>> alignment_padding_bytes(rank_file_bytes=8192 + 32, header_bytes=4096, used=[20, 40], world_size=2)
+    4098
+    """
+    return rank_file_bytes - header_bytes - sum(-(-u // world_size) for u in used)
 
 
 def chunk_range(rank: int, chunk_bytes: int) -> tuple[int, int]:

@@ -1,35 +1,55 @@
 """The shard manifest: dataclasses, JSON (de)serialization, schema and invariants.
 
 A manifest is validated once, when it is parsed (`Manifest.from_dict` / `load_manifest`): after that,
-every offset in it can be trusted by the loader and the runtime.
+every offset in it can be trusted by the loader and the runtime. Format version 2 is written; version 1
+(rank files without a header, no checksums of the replicated part) is still read.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from importlib import resources
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
-from ..errors import ManifestError
+from ..errors import IntegrityError, ManifestError
+from .checksums import digest
 from .dtypes import tensor_nbytes
-from .layout import ENTRY_ALIGNMENT, FILE_ALIGNMENT, Entry, FusedView, LayerLayout
+from .layout import (
+    ENTRY_ALIGNMENT,
+    FILE_ALIGNMENT,
+    NO_CHUNK_ALIGNMENT,
+    Entry,
+    FusedView,
+    LayerLayout,
+    file_alignment_for,
+    is_chunk_alignment,
+)
+from .paths import is_safe_relpath
+from .problems import Problem, quoted
+from .rank_file import header_json, plan_rank_file, rank_file_header, rank_file_name
+from .strict_json import is_int, parse_json, read_capped
 
 FORMAT = "shardprep/weight-shard"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "shard_manifest.json"
 REPLICATED_INDEX = "model.safetensors.index.json"
+# A manifest is a few MB even for thousands of ranks; a larger file is refused unread.
+MAX_MANIFEST_BYTES = 256 << 20
+# Rank file names have five digits; the manifest's checksums grow with layers × N.
+MAX_WORLD_SIZE = 65536
+# The manifest's checksum of itself (format version 2), and its value while the text is being hashed.
+SELF_DIGEST_KEY = "manifest_xxh3_128"
+UNSEALED = "0" * 32
 
-
-def rank_file_name(rank: int, world_size: int) -> str:
-    """Relative path of a rank's file inside an output directory.
-
-    >>> rank_file_name(0, 8)
-    'shards/rank-00000-of-00008.bin'
-    """
-    return f"shards/rank-{rank:05d}-of-{world_size:05d}.bin"
+__all__ = ["FORMAT", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "MAX_WORLD_SIZE", "READABLE_VERSIONS",
+           "REPLICATED_INDEX", "SELF_DIGEST_KEY", "VERSION", "FileRecord", "LayerRecord", "Manifest",
+           "check_invariants", "check_seal", "is_safe_relpath", "load_manifest", "manifest_schema", "rank_file_name",
+           "read_manifest_file", "seal"]
 
 
 @dataclass(frozen=True)
@@ -57,8 +77,17 @@ class LayerRecord:
 
 
 @dataclass(frozen=True)
+class FileRecord:
+    """A file of the output other than the manifest and the rank files: its path, size and XXH3-128."""
+
+    path: str
+    size: int
+    xxh3_128: str
+
+
+@dataclass(frozen=True)
 class Manifest:
-    """Everything a reader needs to find every target byte of every rank. See docs/format.md."""
+    """Everything a reader needs to find and check every byte of an output directory. See docs/format.md."""
 
     world_size: int
     rank_files: tuple[str, ...]
@@ -69,6 +98,11 @@ class Manifest:
     created_by: str = "shardprep"
     entry_alignment: int = ENTRY_ALIGNMENT
     file_alignment: int = FILE_ALIGNMENT
+    chunk_alignment: int = NO_CHUNK_ALIGNMENT
+    replicated_files: tuple[FileRecord, ...] = ()
+    selection: dict[str, Any] | None = None
+    requant_options: dict[str, Any] | None = None
+    version: int = VERSION
 
     @property
     def max_total_bytes(self) -> int:
@@ -81,6 +115,24 @@ class Manifest:
         last = self.layers[-1]
         return last.file_offset + last.chunk_bytes
 
+    @cached_property
+    def rank_header(self) -> bytes:
+        """The bytes every rank file starts with, up to the first chunk (empty for version 1 files)."""
+        if self.version == 1:
+            return b""
+        return rank_file_header([(r.layer, r.file_offset, r.chunk_bytes) for r in self.layers], self.world_size)
+
+    @property
+    def rank_header_json_bytes(self) -> int:
+        """8 + the length of the rank files' JSON header: the bytes before the first chunk that are not padding.
+
+        0 for version 1 files, which have no header.
+        """
+        if self.version == 1 or not self.layers:
+            return 0
+        text = header_json([(r.layer, r.file_offset, r.chunk_bytes) for r in self.layers], self.world_size)
+        return min(self.layers[0].file_offset, 8 + len(text))
+
     def layer(self, index: int) -> LayerRecord:
         for r in self.layers:
             if r.layer == index:
@@ -90,55 +142,69 @@ class Manifest:
     def target_names(self) -> list[str]:
         return [e.name for r in self.layers for e in r.entries]
 
+    def file_record(self, path: str) -> FileRecord | None:
+        """The checksum record of a replicated file, or None when the manifest lists none for it."""
+        return self._files.get(path)
+
+    @cached_property
+    def _files(self) -> dict[str, FileRecord]:
+        return {f.path: f for f in self.replicated_files}
+
     # -- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The manifest as JSON data, in the form of its version (2, or 1 for a manifest read from a v1 file)."""
+        data: dict[str, Any] = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": self.version,
             "world_size": self.world_size,
             "entry_alignment": self.entry_alignment,
-            "file_alignment": self.file_alignment,
-            "rank_files": list(self.rank_files),
-            "layers": [
-                {
-                    "layer": r.layer,
-                    "file_offset": r.file_offset,
-                    "chunk_bytes": r.chunk_bytes,
-                    "total_bytes": r.total_bytes,
-                    "entries": [
-                        {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset,
-                         "nbytes": e.nbytes}
-                        for e in r.entries
-                    ],
-                    "views": [
-                        {"name": v.name, "dtype": v.dtype, "shape": list(v.shape), "offset": v.offset,
-                         "members": list(v.members)}
-                        for v in r.views
-                    ],
-                    "checksums": list(r.checksums),
-                }
-                for r in self.layers
-            ],
-            "replicated_index": self.replicated_index,
-            "quantization": self.quantization,
-            "source": self.source,
-            "created_by": self.created_by,
         }
+        if self.version >= 2:
+            data["chunk_alignment"] = self.chunk_alignment
+        data["file_alignment"] = self.file_alignment
+        data["rank_files"] = list(self.rank_files)
+        data["layers"] = [_layer_dict(r) for r in self.layers]
+        data["replicated_index"] = self.replicated_index
+        if self.version >= 2:
+            data["replicated_files"] = [{"path": f.path, "size": f.size, "xxh3_128": f.xxh3_128}
+                                        for f in self.replicated_files]
+        data["quantization"] = self.quantization
+        data["source"] = self.source
+        if self.version >= 2:
+            data["selection"] = self.selection
+            data["requant_options"] = self.requant_options
+        data["created_by"] = self.created_by
+        if self.version >= 2:
+            data[SELF_DIGEST_KEY] = UNSEALED
+        return data
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1) + "\n"
+        """The manifest file's text, sealed: `manifest_xxh3_128` is the digest of the text itself (see `seal`)."""
+        text = json.dumps(self.to_dict(), indent=1) + "\n"
+        return seal(text) if self.version >= 2 else text
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = MANIFEST_NAME, check: bool = True) -> Manifest:
         """Parse and validate a manifest (schema, then every layout invariant unless `check=False`).
 
+        Raises ManifestError naming the first problem. Unknown keys are ignored (the forward-compatibility
+        rule within a major version).
+
         >>> from shardprep.manifests.layout import plan_layer, TensorSpec
         >>> lay = plan_layer(1, [TensorSpec("layers.1.w", "BF16", (4, 4))], world_size=2)
-        >>> m = Manifest(2, ("shards/a.bin", "shards/b.bin"), (LayerRecord.from_layout(lay, 0),))
+        >>> (offset,), _ = plan_rank_file([(1, lay.chunk_bytes)], 2, 4096)
+        >>> m = Manifest(2, (rank_file_name(0, 2), rank_file_name(1, 2)),
+        ...              (LayerRecord.from_layout(lay, offset, ("0" * 32,) * 2),),
+        ...              replicated_files=(FileRecord(REPLICATED_INDEX, 2, "0" * 32),),
+        ...              selection={"preset": None, "preset_targets": [], "targets": ["*"], "layers": "1-",
+        ...                         "layer_pattern": "x"},
+        ...              requant_options={"mode": "none", "scope": "all", "recipe": "sglang", "scale_format": "f32",
+        ...                               "allow_nonfinite": False},
+        ...              source={"path": "/m", "repo_id": None, "revision": None, "commit": None, "files": []})
         >>> Manifest.from_dict(m.to_dict()).layers[0].chunk_bytes
         16
         """
-        _validate_schema(data, where)
+        version = _validate_schema(data, where)
         layers = tuple(
             LayerRecord(
                 layer=r["layer"],
@@ -163,139 +229,309 @@ class Manifest:
             created_by=data["created_by"],
             entry_alignment=data["entry_alignment"],
             file_alignment=data["file_alignment"],
+            chunk_alignment=data.get("chunk_alignment", NO_CHUNK_ALIGNMENT),
+            replicated_files=tuple(FileRecord(f["path"], f["size"], f["xxh3_128"])
+                                   for f in data.get("replicated_files", ())),
+            selection=data.get("selection"),
+            requant_options=data.get("requant_options"),
+            version=version,
         )
         problems = check_invariants(m) if check else []
         if problems:
             more = f" (and {len(problems) - 1} more)" if problems[1:] else ""
-            raise ManifestError(f"{where}: {problems[0]}{more}")
+            raise ManifestError(f"{where}: {problems[0]}{more}", code=problems[0].code)
         return m
 
 
+def seal(text: str) -> str:
+    """Put the manifest's own checksum into its text: XXH3-128 of the text with the digest's 32 hex digits
+    as zeros, written in their place. Every byte of the file is then covered, the manifest included.
+
+    >>> sealed = seal('{"a": 1, "manifest_xxh3_128": "' + UNSEALED + '"}')
+    >>> check_seal(sealed.encode(), json.loads(sealed)) is None
+    True
+    """
+    raw = text.encode()
+    spans = _seal_spans(raw)
+    if len(spans) != 1:
+        raise ValueError(f"a manifest text must hold one {SELF_DIGEST_KEY}, found {len(spans)}")
+    a, b = spans[0]
+    return (raw[:a] + digest(raw[:a] + UNSEALED.encode() + raw[b:]).encode() + raw[b:]).decode()
+
+
+def check_seal(raw: bytes, data: Any) -> str | None:
+    """Why the manifest file `raw` (parsed: `data`) fails its own checksum, or None when it holds."""
+    want = data.get(SELF_DIGEST_KEY) if isinstance(data, dict) else None
+    spans = _seal_spans(raw)
+    if len(spans) != 1 or not isinstance(want, str):
+        return f"the file must hold exactly one {SELF_DIGEST_KEY} (found {len(spans)})"
+    a, b = spans[0]
+    got = digest(raw[:a] + UNSEALED.encode() + raw[b:])
+    if raw[a:b].decode() != want or got != want:
+        return (f"{SELF_DIGEST_KEY} is {raw[a:b].decode()} but the file's checksum is {got} (the manifest was "
+                "modified or damaged; re-run convert)")
+    return None
+
+
+def _seal_spans(raw: bytes) -> list[tuple[int, int]]:
+    return [m.span(1) for m in _SEAL.finditer(raw)]
+
+
+_SEAL = re.compile(rb'"manifest_xxh3_128"\s*:\s*"([0-9a-f]{32})"')
+
+
+def _layer_dict(r: LayerRecord) -> dict[str, Any]:
+    return {
+        "layer": r.layer,
+        "file_offset": r.file_offset,
+        "chunk_bytes": r.chunk_bytes,
+        "total_bytes": r.total_bytes,
+        "entries": [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset,
+                     "nbytes": e.nbytes} for e in r.entries],
+        "views": [{"name": v.name, "dtype": v.dtype, "shape": list(v.shape), "offset": v.offset,
+                   "members": list(v.members)} for v in r.views],
+        "checksums": list(r.checksums),
+    }
+
+
 @cache
-def manifest_schema() -> dict[str, Any]:
-    """The JSON Schema shipped with the package (shardprep/manifests/schema.json)."""
-    return json.loads(resources.files(__package__).joinpath("schema.json").read_text())
+def manifest_schema(version: int = VERSION) -> dict[str, Any]:
+    """The JSON Schema shipped with the package: schema.json (version 2) or schema_v1.json."""
+    name = "schema.json" if version == VERSION else f"schema_v{version}.json"
+    result: dict[str, Any] = json.loads(resources.files(__package__).joinpath(name).read_text())
+    return result
 
 
-def _validate_schema(data: Any, where: str) -> None:
+@cache
+def _validator(version: int) -> Any:
+    import jsonschema
+    from jsonschema import validators
+
+    # JSON Schema counts 1.0 as an integer, and Python counts True as one: neither is a byte count here.
+    def is_integer(_checker: Any, instance: object) -> bool:
+        return isinstance(instance, int) and not isinstance(instance, bool)
+
+    base = jsonschema.Draft202012Validator
+    strict = validators.extend(base, type_checker=base.TYPE_CHECKER.redefine("integer", is_integer))
+    return strict(manifest_schema(version))
+
+
+def _validate_schema(data: Any, where: str) -> int:
     import jsonschema
 
-    if isinstance(data, dict) and data.get("format") == FORMAT and data.get("version") != VERSION:
-        raise ManifestError(f"{where}: manifest version {data.get('version')!r} is not supported "
-                            f"(this shardprep reads version {VERSION}); upgrade shardprep or re-run convert")
-    validator = jsonschema.Draft202012Validator(manifest_schema())
-    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    version = data.get("version") if isinstance(data, dict) else None
+    readable = is_int(version) and version in READABLE_VERSIONS  # 2.0 and True are not versions
+    if isinstance(data, dict) and data.get("format") == FORMAT and not readable:
+        raise ManifestError(f"{where}: manifest version {quoted(version)} is not supported (this shardprep reads "
+                            f"versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade shardprep or re-run "
+                            "convert", code="manifest_version")
+    try:
+        validator = _validator(version if readable else VERSION)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(_for_schema(data)))
+    except RecursionError:
+        raise ManifestError(f"{where}: nested too deeply to be a manifest", code="manifest_schema") from None
     if error is not None:
         path = "/".join(str(p) for p in error.absolute_path) or "(top level)"
-        raise ManifestError(f"{where}: schema violation at {path}: {error.message}")
+        message = " ".join(error.message.split())
+        if len(message) > 300:
+            message = message[:300] + "…"
+        raise ManifestError(f"{where}: schema violation at {path[:200]}: {message}", code="manifest_schema")
+    assert isinstance(version, int)
+    return version
 
 
-def check_invariants(m: Manifest) -> list[str]:
+def _for_schema(data: Any) -> Any:
+    """`data` with the lists that grow with N cut to their first item when every item is already valid.
+
+    jsonschema spends ~100 µs per item, and there are N rank files and layers × N digests (seconds at N
+    in the thousands, on every rank at startup); checked here with a regex or `is_safe_relpath` each (the
+    invariants check every path again), the schema still sees one of them.
+    """
+    if not isinstance(data, dict):
+        return data
+    files = data.get("rank_files")
+    if isinstance(files, list) and len(files) > 1 and all(is_safe_relpath(f) for f in files):
+        data = {**data, "rank_files": files[:1]}
+    layers = data.get("layers")
+    if not isinstance(layers, list):
+        return data
+    cut = []
+    for layer in layers:
+        sums = layer.get("checksums") if isinstance(layer, dict) else None
+        if isinstance(sums, list) and len(sums) > 1 and all(isinstance(c, str) and _DIGEST.fullmatch(c) for c in sums):
+            layer = {**layer, "checksums": sums[:1]}
+        cut.append(layer)
+    return {**data, "layers": cut}
+
+
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+
+
+def check_invariants(m: Manifest) -> list[Problem]:
     """Every layout rule of docs/format.md that the schema cannot express; returns the problems found.
 
-    >>> check_invariants(Manifest(1, ("shards/r.bin",), ()))
+    >>> [p.message for p in check_invariants(Manifest(1, ("shards/r.bin",), (), version=1))]
     ['manifest has no layers']
     """
-    problems: list[str] = []
+    problems: list[Problem] = []
+
+    def bad(message: str, code: str = "manifest_invariant", *, layer: int | None = None,
+            tensor: str | None = None, file: str | None = None) -> None:
+        problems.append(Problem(code, message, file=file, layer=layer, tensor=tensor))
+
     n = m.world_size
     if len(m.rank_files) != n:
-        problems.append(f"world_size is {n} but rank_files lists {len(m.rank_files)} files")
+        bad(f"world_size is {n} but rank_files lists {len(m.rank_files)} files")
     if len(set(m.rank_files)) != len(m.rank_files):
-        problems.append("rank_files lists the same file twice")
-    for p in (*m.rank_files, m.replicated_index):
+        bad("rank_files lists the same file twice")
+    listed = [f.path for f in m.replicated_files]
+    for p in (*m.rank_files, m.replicated_index, *listed):
         if not is_safe_relpath(p):
-            problems.append(f"path {p!r} is absolute or leaves the output directory")
+            bad(f"path {quoted(p)} is absolute or leaves the output directory", "unsafe_path", file=str(p))
+    if m.version >= 2:
+        _check_v2_files(m, listed, bad)
     if not m.layers:
-        return [*problems, "manifest has no layers"]
+        bad("manifest has no layers")
+        return problems
     seen_layers: set[int] = set()
     seen_names: set[str] = set()
     prev_end = 0
     for r in m.layers:
         tag = f"layer {r.layer}"
         if r.layer in seen_layers:
-            problems.append(f"{tag} appears twice")
+            bad(f"{tag} appears twice", layer=r.layer)
         seen_layers.add(r.layer)
         if r.file_offset % m.file_alignment:
-            problems.append(f"{tag}: file_offset {r.file_offset} is not {m.file_alignment}-aligned")
+            bad(f"{tag}: file_offset {r.file_offset} is not {m.file_alignment}-aligned", layer=r.layer)
         if r.file_offset < prev_end:
-            problems.append(f"{tag}: file_offset {r.file_offset} overlaps the previous layer's chunk")
+            bad(f"{tag}: file_offset {r.file_offset} overlaps the previous layer's chunk", layer=r.layer)
         prev_end = r.file_offset + r.chunk_bytes
         if r.total_bytes % (m.entry_alignment * n):
-            problems.append(f"{tag}: total_bytes {r.total_bytes} is not a multiple of 16·world_size")
+            bad(f"{tag}: total_bytes {r.total_bytes} is not a multiple of 16·world_size", layer=r.layer)
         if r.chunk_bytes * n != r.total_bytes:
-            problems.append(f"{tag}: chunk_bytes·world_size {r.chunk_bytes * n} != total_bytes {r.total_bytes}")
-        if r.checksums and len(r.checksums) != n:
-            problems.append(f"{tag}: {len(r.checksums)} checksums for {n} ranks")
-        end = 0
-        by_name = {}
-        for e in sorted(r.entries, key=lambda e: e.offset):
-            if e.name in seen_names:
-                problems.append(f"tensor {e.name!r} appears twice in the manifest")
-            seen_names.add(e.name)
-            by_name[e.name] = e
-            if e.offset % m.entry_alignment:
-                problems.append(f"tensor {e.name!r}: offset {e.offset} is not {m.entry_alignment}-aligned")
-            if e.offset < end:
-                problems.append(f"tensor {e.name!r}: offset {e.offset} overlaps the previous entry")
-            try:
-                expected = tensor_nbytes(e.dtype, e.shape, tensor=e.name)
-            except Exception as exc:  # unsupported dtype; schema normally catches it
-                problems.append(str(exc))
-                expected = e.nbytes
-            if e.nbytes != expected:
-                problems.append(f"tensor {e.name!r}: nbytes {e.nbytes} does not match {e.dtype}{list(e.shape)}")
-            end = e.offset + e.nbytes
-        if end > r.total_bytes:
-            problems.append(f"{tag}: entries end at byte {end}, past total_bytes {r.total_bytes}")
-        for v in r.views:
-            problem = _check_view(v, by_name, tag)
-            if problem:
-                problems.append(problem)
+            bad(f"{tag}: chunk_bytes·world_size {r.chunk_bytes * n} != total_bytes {r.total_bytes}", layer=r.layer)
+        if r.chunk_bytes % m.chunk_alignment:
+            bad(f"{tag}: chunk_bytes {r.chunk_bytes} is not a multiple of chunk_alignment {m.chunk_alignment}",
+                layer=r.layer)
+        if len(r.checksums) != n:
+            bad(f"{tag}: {len(r.checksums)} checksums for {n} ranks (every chunk needs one)", "checksum_count",
+                layer=r.layer)
+        _check_entries(r, m.entry_alignment, seen_names, bad)
+    if m.version >= 2 and not problems:
+        _check_v2_offsets(m, bad)
     return problems
+
+
+def _check_v2_files(m: Manifest, listed: list[str], bad: Any) -> None:
+    if not is_chunk_alignment(m.chunk_alignment):
+        bad(f"chunk_alignment {m.chunk_alignment} is not a power of two from 16 bytes to 64 MiB")
+    elif m.file_alignment != file_alignment_for(m.chunk_alignment):
+        bad(f"file_alignment {m.file_alignment} is not max(4096, chunk_alignment) = "
+            f"{file_alignment_for(m.chunk_alignment)}")
+    for r, name in enumerate(m.rank_files):
+        if name != rank_file_name(r, m.world_size):
+            bad(f"rank_files[{r}] is {quoted(name)}, not {rank_file_name(r, m.world_size)!r}", file=str(name))
+            break
+    if len(set(listed)) != len(listed):
+        bad("replicated_files lists the same path twice")
+    own = {MANIFEST_NAME, *m.rank_files}
+    for p in listed:
+        if p in own:
+            bad(f"replicated_files lists {quoted(p)}, which is the manifest or a rank file", file=p)
+    if m.replicated_index not in listed:
+        bad(f"replicated_files has no checksum of the index {quoted(m.replicated_index)}",
+            file=m.replicated_index)
+
+
+def _check_v2_offsets(m: Manifest, bad: Any) -> None:
+    # In version 2 the rank file's layout follows from the layers alone (docs/format.md), which is what
+    # makes its header the same bytes on every rank and rebuildable by any reader.
+    try:
+        expected, _ = plan_rank_file([(r.layer, r.chunk_bytes) for r in m.layers], m.world_size,
+                                     m.file_alignment)
+    except (ValueError, ZeroDivisionError):
+        bad("the layers' sizes do not give a rank file layout")
+        return
+    for r, want in zip(m.layers, expected):
+        if r.file_offset != want:
+            bad(f"layer {r.layer}: file_offset {r.file_offset} is not {want}, where the rank file layout puts it",
+                layer=r.layer)
+            return
+
+
+def _check_entries(r: LayerRecord, entry_alignment: int, seen_names: set[str], bad: Any) -> None:
+    tag = f"layer {r.layer}"
+    end = 0
+    by_name = {}
+    for e in sorted(r.entries, key=lambda e: e.offset):
+        if e.name in seen_names:
+            bad(f"tensor {quoted(e.name)} appears twice in the manifest", layer=r.layer, tensor=e.name)
+        seen_names.add(e.name)
+        by_name[e.name] = e
+        if e.offset % entry_alignment:
+            bad(f"tensor {quoted(e.name)}: offset {e.offset} is not {entry_alignment}-aligned", layer=r.layer,
+                tensor=e.name)
+        if e.offset < end:
+            bad(f"tensor {quoted(e.name)}: offset {e.offset} overlaps the previous entry", layer=r.layer,
+                tensor=e.name)
+        if e.nbytes != tensor_nbytes(e.dtype, e.shape, tensor=e.name):
+            bad(f"tensor {quoted(e.name)}: nbytes {e.nbytes} does not match {e.dtype}{list(e.shape)}",
+                layer=r.layer, tensor=e.name)
+        end = e.offset + e.nbytes
+    if end > r.total_bytes:
+        bad(f"{tag}: entries end at byte {end}, past total_bytes {r.total_bytes}", layer=r.layer)
+    for v in r.views:
+        problem = _check_view(v, by_name, tag)
+        if problem:
+            bad(problem, layer=r.layer, tensor=v.name)
 
 
 def _check_view(v: FusedView, entries: dict[str, Entry], tag: str) -> str | None:
     missing = [name for name in v.members if name not in entries]
     if missing:
-        return f"{tag}: fused view {v.name!r} names unknown member {missing[0]!r}"
+        return f"{tag}: fused view {quoted(v.name)} names unknown member {quoted(missing[0])}"
     at = v.offset
     rows = 0
     for name in v.members:
         e = entries[name]
-        if e.offset != at or e.dtype != v.dtype or tuple(e.shape[1:]) != tuple(v.shape[1:]):
-            return f"{tag}: fused view {v.name!r} does not cover member {name!r} contiguously"
+        if e.offset != at or e.dtype != v.dtype or not e.shape or tuple(e.shape[1:]) != tuple(v.shape[1:]):
+            return f"{tag}: fused view {quoted(v.name)} does not cover member {quoted(name)} contiguously"
         at += e.nbytes
         rows += e.shape[0]
-    if rows != v.shape[0]:
-        return f"{tag}: fused view {v.name!r} has {v.shape[0]} rows but its members have {rows}"
+    if not v.shape or rows != v.shape[0]:
+        return f"{tag}: fused view {quoted(v.name)} has shape {list(v.shape)} but its members have {rows} rows"
     return None
 
 
-def is_safe_relpath(p: str) -> bool:
-    """True for a relative POSIX path that stays inside its directory.
-
-    >>> is_safe_relpath("shards/rank-00000-of-00002.bin"), is_safe_relpath("../x"), is_safe_relpath("/etc/x")
-    (True, False, False)
-    """
-    pp = PurePosixPath(p)
-    return bool(p) and not pp.is_absolute() and "\\" not in p and ".." not in pp.parts and ":" not in pp.parts[0]
-
-
 def load_manifest(directory: str | Path, *, check: bool = True) -> Manifest:
-    """Read and validate `DIR/shard_manifest.json`.
+    """Read and validate `DIR/shard_manifest.json` (format version 2, or 1).
+
+    Raises ManifestError naming the problem: missing, larger than 256 MiB, not UTF-8 JSON, nested too
+    deeply, a schema violation, a broken invariant, or (version 2) a file that fails its own checksum.
 
     >>> load_manifest("out/")  # doctest: +SKIP
-    Manifest(world_size=8, ...)
+    """
+    return read_manifest_file(directory, check=check)[0]
+
+
+def read_manifest_file(directory: str | Path, *, check: bool = True) -> tuple[Manifest, str | None]:
+    """`load_manifest`, also returning why the file fails its own checksum (None when it holds).
+
+    With `check` (what loaders use) a failed self-checksum is a ManifestError; `validate` passes
+    `check=False` to report it next to every other problem.
     """
     path = Path(directory) / MANIFEST_NAME
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: not found; is {directory} an output directory of `shardprep convert`?") from None
-    except OSError as exc:
-        raise ManifestError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ManifestError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    return Manifest.from_dict(data, where=str(path), check=check)
+        raw = read_capped(path, max_bytes=MAX_MANIFEST_BYTES, what="manifest")
+        data = parse_json(raw, str(path))
+    except IntegrityError as exc:
+        if exc.code == "missing_file":
+            raise ManifestError(f"{path}: not found; is {directory} an output directory of `shardprep convert`?",
+                                code="manifest_missing") from None
+        raise ManifestError(str(exc), code="manifest_unreadable") from None
+    manifest = Manifest.from_dict(data, where=str(path), check=check)
+    unsealed = check_seal(raw, data) if manifest.version >= 2 else None
+    if unsealed and check:
+        raise ManifestError(f"{path}: {unsealed}", code="manifest_checksum_mismatch")
+    return manifest, unsealed
+

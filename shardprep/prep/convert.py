@@ -1,8 +1,8 @@
 """`shardprep convert`: HF safetensors checkpoint in, per-rank flat chunks + manifest + replicated part out.
 
 Three steps: open the source (headers only), make the plan (`plan.py`: every decision, no writes), and
-carry it out (`writer.py`) in a temporary sibling of OUT that is renamed into place only once the
-manifest, written last, is on disk.
+carry it out (`writer.py`) inside `staged_output` (`output_dir.py`): a locked staging sibling of OUT
+that replaces OUT atomically only once the manifest, written last, is on disk.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardprepError
-from .output_dir import check_output_dir, staged_directory
-from .plan import ConvertPlan, make_plan
+from ..manifests.manifest import MAX_WORLD_SIZE
+from .output_dir import check_output_dir, staged_output
+from .plan import ConvertPlan, make_plan, parse_chunk_alignment
 from .requant_jobs import RequantOptions
-from .selection import DEFAULT_LAYER_PATTERN, DEFAULT_LAYERS, Selection, load_preset, parse_layer_range
+from .selection import DEFAULT_LAYER_PATTERN, DEFAULT_LAYERS, Selection, load_preset, parse_layers
 from .source import open_source
-from .writer import Progress, write_plan
+from .writer import Progress, output_bytes, write_plan
 
 SUMMARY_SCHEMA = "shardprep/convert-summary/1"
 
@@ -44,6 +45,8 @@ class ConvertSummary:
     target_bytes: int
     sharded_bytes: int
     rank_file_bytes: int
+    chunk_alignment: int
+    alignment_padding_bytes: int
     replicated_tensors: int
     replicated_bytes: int
     linked_files: list[str]
@@ -71,38 +74,45 @@ def convert(
     copy_mode: CopyMode | str = CopyMode.AUTO,
     overwrite: bool = False,
     requant: RequantOptions | None = None,
+    chunk_alignment: str | int = "auto",
     dry_run: bool = False,
     progress: Progress | None = None,
 ) -> ConvertSummary:
     """Convert a checkpoint into `ranks` per-rank files plus a manifest and the replicated part.
 
     `requant` holds the block-FP8 options (default: requantize to UE8M0 where needed, the SGLang
-    recipe). With `dry_run` nothing is written: the summary says what would be.
+    recipe). `chunk_alignment` is "auto", "none" or a size such as "2MiB" (see docs/format.md). With
+    `dry_run` nothing is written: the summary says what would be. OUT is replaced atomically, under a
+    lock, only when it is empty or (with `overwrite`) a shardprep output, and only when the parent's
+    filesystem has room for what the plan writes; see docs/reliability.md.
 
     >>> convert("Qwen/Qwen3-30B-A3B", "out/", ranks=8, preset="qwen3-moe")  # doctest: +SKIP
-    ConvertSummary(out='out/', world_size=8, layers=[1, 2, ...], ...)
     """
     t0 = time.perf_counter()
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-        raise ShardprepError(f"--ranks must be >= 1, got {ranks}")
+        raise ShardprepError(f"--ranks must be >= 1, got {ranks!r}")
+    if ranks > MAX_WORLD_SIZE:
+        raise ShardprepError(f"--ranks {ranks} is above the maximum of {MAX_WORLD_SIZE} ranks (docs/format.md)")
     try:
         mode = CopyMode(copy_mode)
     except ValueError:
         raise ShardprepError(f"--copy-mode {copy_mode!r}: expected one of auto, link, copy") from None
+    parse_chunk_alignment(chunk_alignment)  # a bad option fails before the source is read
     out = Path(out)
     ckpt = open_source(src, revision)
     if not dry_run:
-        check_output_dir(out, ckpt.root, overwrite)
+        check_output_dir(out, [ckpt.root], overwrite)  # early, before planning; again under the lock
     selection = Selection(
         targets=tuple(targets),
         preset=load_preset(preset) if preset else None,
-        layers=parse_layer_range(layers),
+        layers=parse_layers(layers),
         layer_pattern=layer_pattern or DEFAULT_LAYER_PATTERN,
     )
-    plan = make_plan(ckpt, ranks, selection, requant)
+    plan = make_plan(ckpt, ranks, selection, requant, chunk_alignment)
     if dry_run:
         return _summary(out, plan, t0, dry_run=True)
-    with staged_directory(out) as tmp:
+    needed = output_bytes(plan, out, mode.value)
+    with staged_output(out, inputs=[ckpt.root], overwrite=overwrite, needed_bytes=needed) as tmp:
         result = write_plan(plan, tmp, mode.value, progress)
     return _summary(out, plan, t0, linked=result.linked_files, copied=result.copied_files,
                     replicated_tensors=result.replicated_tensors, replicated_bytes=result.replicated_bytes)
@@ -122,6 +132,8 @@ def _summary(out: Path, plan: ConvertPlan, t0: float, *, dry_run: bool = False, 
         target_bytes=plan.target_bytes,
         sharded_bytes=plan.sharded_bytes,
         rank_file_bytes=plan.rank_file_bytes,
+        chunk_alignment=plan.chunk_alignment,
+        alignment_padding_bytes=plan.alignment_padding_bytes,
         replicated_tensors=replicated_tensors,
         replicated_bytes=plan.replicated_bytes if replicated_bytes is None else replicated_bytes,
         linked_files=list(linked),

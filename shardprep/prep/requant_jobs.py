@@ -21,8 +21,9 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RequantError, ShardprepError
+from ..manifests.exact_read import pread_exact
 from ..manifests.layout import TensorSpec
-from .source import SourceCheckpoint, SourceTensor, pread_exact
+from .source import SourceCheckpoint, SourceTensor
 
 if TYPE_CHECKING:
     import numpy as np
@@ -77,6 +78,12 @@ class RequantOptions:
     device: str = "cpu"
     workers: int = 0
 
+    def record(self) -> dict[str, Any]:
+        """The options as the manifest's `requant_options` records them (device and workers change no byte)."""
+        return {"mode": RequantMode(self.mode).value, "scope": RequantScope(self.scope).value,
+                "recipe": RequantRecipe(self.recipe).value, "scale_format": ScaleFormat(self.scale_format).value,
+                "allow_nonfinite": self.allow_nonfinite}
+
     def __post_init__(self) -> None:
         # Strings are accepted (the Python API) and checked here, once, with the flag's name in the error.
         for attr, enum, flag in (("mode", RequantMode, "--requant"), ("scope", RequantScope, "--requant-scope"),
@@ -90,7 +97,9 @@ class RequantOptions:
                 raise ShardprepError(f"{flag} {value!r}: expected one of {allowed}") from None
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ShardprepError(f"--device {self.device!r}: expected cpu or cuda")
-        if not isinstance(self.workers, int) or self.workers < 0:
+        if not isinstance(self.allow_nonfinite, bool):
+            raise ShardprepError(f"--allow-nonfinite {self.allow_nonfinite!r}: expected True or False")
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 0:
             raise ShardprepError(f"--workers {self.workers!r}: expected 0 (one per core) or a positive count")
 
 
@@ -119,12 +128,13 @@ def run_job(job: RequantJob) -> tuple[np.ndarray, np.ndarray]:
     """
     import numpy as np
 
-    from ..requant.lookup import e8m0_codes, requant_codes
+    from ..requant.lookup import e8m0_codes, refuse_negative_scale, requant_codes
 
     w, s = job.weight, job.scale
     if job.device == "cpu" and w.dtype == "F8_E4M3" and s.dtype == "F32":
-        codes = read_array(w, job.weight_path, np.uint8).reshape(w.shape)
         scale = read_array(s, job.scale_path, np.float32).reshape(s.shape)
+        refuse_negative_scale(scale, job.name)
+        codes = read_array(w, job.weight_path, np.uint8).reshape(w.shape)
         fast = requant_codes(codes, scale, job.recipe)
         if fast is not None:
             q, sf = fast
@@ -140,7 +150,7 @@ def read_array(t: SourceTensor, path: str, dtype: Any) -> np.ndarray:
 
     raw = np.empty(t.nbytes, dtype=np.uint8)
     with open(path, "rb") as f:
-        pread_exact(f.fileno(), memoryview(raw), t.start, path)
+        pread_exact(f.fileno(), memoryview(raw.data), t.start, path)
     return raw.view(dtype)
 
 
@@ -293,7 +303,6 @@ def plan_requant(ckpt: SourceCheckpoint, targets: set[str], options: RequantOpti
 
     >>> plan = plan_requant(open_source("deepseek-fp8/"), set(), RequantOptions())  # doctest: +SKIP
     >>> plan.manifest_record  # doctest: +SKIP
-    {'method': 'fp8', 'block': [128, 128], 'recipe': 'sglang', 'scale_format': 'f32', 'scope': 'all'}
     """
     if options.mode == RequantMode.NONE:
         return None
@@ -325,7 +334,7 @@ def plan_requant(ckpt: SourceCheckpoint, targets: set[str], options: RequantOpti
         jobs=jobs,
         manifest_record={"method": "fp8", "block": list(info.block), "recipe": RequantRecipe(options.recipe).value,
                          "scale_format": ScaleFormat(options.scale_format).value,
-                         "scope": RequantScope(options.scope).value},
+                         "scope": RequantScope(options.scope).value, "allow_nonfinite": options.allow_nonfinite},
         config_update={"quantization_config": quant},
         workers=1 if options.device != "cpu" else (options.workers or os.cpu_count() or 1),
     )
@@ -355,7 +364,8 @@ def reference_runner(ckpt: SourceCheckpoint, manifest: Manifest) -> RequantRunne
     if not q:
         return None
     options = RequantOptions(mode=RequantMode.UE8M0, scope=q.get("scope", "all"), recipe=q["recipe"],
-                             scale_format=q["scale_format"], workers=1)
+                             scale_format=q["scale_format"], allow_nonfinite=q.get("allow_nonfinite") is True,
+                             workers=1)
     plan = plan_requant(ckpt, set(manifest.target_names()), options)
     if plan is None:
         raise RequantError(f"{ckpt.root}: the manifest records a requantization, but the source needs none")

@@ -8,6 +8,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from ..manifests.dtypes import tensor_nbytes
 
@@ -46,7 +47,6 @@ def write_safetensors(
     """Write a standard safetensors file; returns its data size (the sum of tensor bytes).
 
     >>> write_safetensors("x.safetensors", [OutTensor("a", "F32", (1,), b"\\0\\0\\x80?")])  # doctest: +SKIP
-    4
     """
     header: dict[str, object] = {}
     if metadata:
@@ -73,7 +73,7 @@ def write_safetensors(
     return at
 
 
-def copy_range(src: FileRange, out) -> None:
+def copy_range(src: FileRange, out: BinaryIO) -> None:
     """Copy a byte range into an open file at its current position, in the kernel where possible."""
     out.flush()
     with open(src.path, "rb") as f:

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
-from ..errors import SelectionError
+from ..errors import IntegrityError, SelectionError
 from ..manifests.layout import FusedGroup
+from ..manifests.strict_json import parse_json, read_json_file
+
+# A preset lists globs; a larger file is not a preset.
+MAX_PRESET_BYTES = 1 << 20
 
 # `layers.N.`, `layer.N.`, `h.N.` and `blocks.N.` cover Llama/Qwen/DeepSeek, BERT, GPT-2 and ViT-style names.
 DEFAULT_LAYER_PATTERN = r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\."
 # Layer 0 is left replicated by default: its compute is what hides the gather of layer 1, and in
 # DeepSeek/Kimi-style models it is the dense layer.
 DEFAULT_LAYERS = "1-"
+_SPAN = re.compile(r"(?P<first>\d*)\s*(?P<dash>-)?\s*(?P<last>\d*)(?::(?P<step>\d+))?")
 
 
 @dataclass(frozen=True)
@@ -37,14 +42,43 @@ class Preset:
 
 
 @dataclass(frozen=True)
-class LayerRange:
-    """Inclusive layer range; `stop=None` means open-ended."""
+class LayerSpan:
+    """Layers `start, start+step, ...` up to `stop` inclusive (`stop=None`: open-ended)."""
 
-    start: int = 1
+    start: int = 0
     stop: int | None = None
+    step: int = 1
 
     def __contains__(self, layer: int) -> bool:
-        return layer >= self.start and (self.stop is None or layer <= self.stop)
+        return (layer >= self.start and (self.stop is None or layer <= self.stop)
+                and (layer - self.start) % self.step == 0)
+
+    def __str__(self) -> str:
+        if self.stop == self.start:
+            return str(self.start)
+        text = f"{self.start}-{'' if self.stop is None else self.stop}"
+        return text if self.step == 1 else f"{text}:{self.step}"
+
+
+@dataclass(frozen=True)
+class LayerSet:
+    """The layers `--layers` selects: a union of spans, e.g. `1,3,5-9` or `1-:2`."""
+
+    spans: tuple[LayerSpan, ...] = (LayerSpan(1),)
+
+    def __contains__(self, layer: int) -> bool:
+        return any(layer in span for span in self.spans)
+
+    def __str__(self) -> str:
+        return ",".join(str(span) for span in self.spans)
+
+    def resolve(self, layers: Iterable[int]) -> list[int]:
+        """The members of `layers` this set selects, sorted.
+
+        >>> parse_layers("1-:2").resolve(range(8))
+        [1, 3, 5, 7]
+        """
+        return sorted(i for i in set(layers) if i in self)
 
 
 @dataclass(frozen=True)
@@ -53,8 +87,23 @@ class Selection:
 
     targets: tuple[str, ...] = ()
     preset: Preset | None = None
-    layers: LayerRange = field(default_factory=LayerRange)
+    layers: LayerSet = field(default_factory=LayerSet)
     layer_pattern: str = DEFAULT_LAYER_PATTERN
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's `selection` record: the preset's name and globs, the --target globs, the layer range
+        and the layer pattern.
+
+        >>> Selection(targets=("*.q_proj.weight",)).record()["layers"]
+        '1-'
+        """
+        return {
+            "preset": self.preset.name if self.preset else None,
+            "preset_targets": list(self.preset.targets) if self.preset else [],
+            "targets": list(self.targets),
+            "layers": str(self.layers),
+            "layer_pattern": self.layer_pattern,
+        }
 
 
 @dataclass(frozen=True)
@@ -69,25 +118,72 @@ class TargetPlan:
         return {n for names in self.layers.values() for n in names}
 
 
-def parse_layer_range(text: str) -> LayerRange:
-    """Parse `A-B`, `A-`, `-B`, `A` or `all`.
+def parse_layers(text: str) -> LayerSet:
+    """Parse a `--layers` value: comma-separated `A`, `A-B`, `A-` or `-B`, each range with an optional
+    `:S` stride, or `all`.
 
-    >>> parse_layer_range("1-"), parse_layer_range("3-5"), parse_layer_range("all")
-    (LayerRange(start=1, stop=None), LayerRange(start=3, stop=5), LayerRange(start=0, stop=None))
+    >>> str(parse_layers("1,3,5-9")), str(parse_layers("1-:2")), str(parse_layers("all")), str(parse_layers("-3"))
+    ('1,3,5-9', '1-:2', '0-', '0-3')
+    >>> 4 in parse_layers("0-10:4"), 6 in parse_layers("0-10:4")
+    (True, False)
     """
     t = text.strip()
     if t in ("all", "*", ""):
-        return LayerRange(0, None)
-    m = re.fullmatch(r"(\d*)\s*-\s*(\d*)|(\d+)", t)
-    if not m:
-        raise SelectionError(f"--layers {text!r}: expected A-B, A-, -B, A or all")
-    if m.group(3) is not None:
-        return LayerRange(int(m.group(3)), int(m.group(3)))
-    start = int(m.group(1)) if m.group(1) else 0
-    stop = int(m.group(2)) if m.group(2) else None
-    if stop is not None and stop < start:
-        raise SelectionError(f"--layers {text!r}: end {stop} is before start {start}")
-    return LayerRange(start, stop)
+        return LayerSet((LayerSpan(0),))
+    spans = []
+    for item in t.split(","):
+        m = _SPAN.fullmatch(item.strip())
+        if not m or not (m.group("first") or m.group("dash")):
+            raise SelectionError(
+                f"--layers {text!r}: {item.strip()!r} is not a layer N, a range A-B, A- or -B "
+                "(optionally :STRIDE), or all"
+            )
+        first, dash, last, step = m.group("first"), m.group("dash"), m.group("last"), m.group("step")
+        if not dash:
+            if step:
+                raise SelectionError(f"--layers {text!r}: a stride needs a range ({first}-:{step}), not one layer")
+            spans.append(LayerSpan(int(first), int(first)))
+            continue
+        start = int(first) if first else 0
+        stop = int(last) if last else None
+        if stop is not None and stop < start:
+            raise SelectionError(f"--layers {text!r}: end {stop} is before start {start}")
+        if step is not None and int(step) < 1:
+            raise SelectionError(f"--layers {text!r}: the stride must be >= 1, got {step}")
+        spans.append(LayerSpan(start, stop, int(step) if step else 1))
+    return LayerSet(tuple(spans))
+
+
+def format_layers(layers: Iterable[int], num_layers: int | None = None) -> str:
+    """The shortest-looking `--layers` text for exactly these layers (runs and strides folded).
+
+    With `num_layers`, a run that reaches the model's last layer is written open-ended.
+
+    >>> format_layers([1, 3, 5, 6, 7, 8]), format_layers([1, 3, 5, 7], num_layers=8), format_layers([2])
+    ('1-5:2,6-8', '1-:2', '2')
+    """
+    xs = sorted(set(layers))
+    if not xs:
+        raise SelectionError("no layers to format")
+    spans: list[LayerSpan] = []
+    i = 0
+    while i < len(xs):
+        j = i + 1
+        if j < len(xs):
+            step = xs[j] - xs[i]
+            while j + 1 < len(xs) and xs[j + 1] - xs[j] == step:
+                j += 1
+            count = j - i + 1
+            if count >= 3 or (count == 2 and step == 1):
+                open_end = num_layers is not None and xs[j] + step >= num_layers
+                spans.append(LayerSpan(xs[i], None if open_end else xs[j], step))
+                i = j + 1
+                continue
+        spans.append(LayerSpan(xs[i], xs[i]))
+        i += 1
+    if spans[0].start == 0 and spans[0].stop is None and spans[0].step == 1:
+        return "all"
+    return ",".join(str(s) for s in spans)
 
 
 def builtin_presets() -> list[str]:
@@ -107,24 +203,48 @@ def load_preset(name_or_path: str) -> Preset:
     'mlp.shared_experts.gate_up_proj.weight'
     """
     if name_or_path in builtin_presets():
-        text = resources.files(__package__).joinpath("presets", f"{name_or_path}.json").read_text()
+        text = resources.files(__package__).joinpath("presets").joinpath(f"{name_or_path}.json").read_bytes()
         where = f"preset {name_or_path!r}"
+        try:
+            data = parse_json(text, where)
+        except IntegrityError as exc:
+            raise SelectionError(str(exc)) from None
     else:
         path = Path(name_or_path)
-        if not path.is_file():
+        if "\x00" in name_or_path or not path.is_file():
             raise SelectionError(
                 f"--preset {name_or_path!r} is neither a built-in preset ({', '.join(builtin_presets())}) nor a file"
             )
-        text, where = path.read_text(), str(path)
-    try:
-        data = json.loads(text)
-        targets = tuple(data["targets"])
-        fused = tuple(FusedRule(f["name"], tuple(f["members"])) for f in data.get("fused", []))
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise SelectionError(f"{where}: not a valid preset (need 'targets' and optional 'fused'): {exc}") from None
-    if not targets or not all(isinstance(t, str) for t in targets):
-        raise SelectionError(f"{where}: 'targets' must be a non-empty list of globs")
-    return Preset(data.get("name", name_or_path), targets, fused, data.get("description", ""))
+        where = str(path)
+        try:
+            data = read_json_file(path, max_bytes=MAX_PRESET_BYTES, what="preset")
+        except IntegrityError as exc:
+            raise SelectionError(str(exc)) from None
+    return _preset_from_json(data, where, name_or_path)
+
+
+def _preset_from_json(data: object, where: str, default_name: str) -> Preset:
+    def bad(why: str) -> SelectionError:
+        return SelectionError(f"{where}: not a valid preset ({why}); see README, `--preset`")
+
+    if not isinstance(data, dict):
+        raise bad("not a JSON object")
+    targets, fused = data.get("targets"), data.get("fused", [])
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise bad("'targets' must be a non-empty list of globs")
+    if not isinstance(fused, list):
+        raise bad("'fused' must be a list")
+    rules = []
+    for f in fused:
+        name, members = (f.get("name"), f.get("members")) if isinstance(f, dict) else (None, None)
+        if not isinstance(name, str) or not isinstance(members, list) or len(members) < 2 or not all(
+                isinstance(m, str) and m for m in members):
+            raise bad("each 'fused' item needs a 'name' and at least two 'members', all strings")
+        rules.append(FusedRule(name, tuple(members)))
+    name, description = data.get("name", default_name), data.get("description", "")
+    if not isinstance(name, str) or not isinstance(description, str):
+        raise bad("'name' and 'description' must be strings")
+    return Preset(name, tuple(targets), tuple(rules), description)
 
 
 def layer_index(name: str, pattern: re.Pattern[str]) -> int | None:
@@ -134,7 +254,13 @@ def layer_index(name: str, pattern: re.Pattern[str]) -> int | None:
     12
     """
     m = pattern.search(name)
-    return int(m.group(1)) if m else None
+    if not m:
+        return None
+    try:
+        return int(m.group(1))
+    except (TypeError, ValueError):
+        raise SelectionError(f"--layer-pattern {pattern.pattern!r} captured {m.group(1)!r} in tensor {name!r}, "
+                             "which is not a layer number; capture digits only") from None
 
 
 def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:
@@ -143,7 +269,7 @@ def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:
     Every `--target` glob must match a tensor (a typo should not silently shard nothing); preset globs
     may match nothing, since a preset covers several model variants.
 
-    >>> sel = Selection(targets=("*.self_attn.*.weight",), layers=parse_layer_range("all"))
+    >>> sel = Selection(targets=("*.self_attn.*.weight",), layers=parse_layers("all"))
     >>> select_targets(["m.layers.0.self_attn.q.weight", "m.embed.weight"], sel).layers
     {0: ['m.layers.0.self_attn.q.weight']}
     """
@@ -164,8 +290,14 @@ def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:
             raise SelectionError(f"--target {glob!r} matches no tensor in the checkpoint")
         chosen.update(hits)
     if selection.preset is not None:
-        for glob in selection.preset.targets:
-            chosen.update(fnmatch.filter(all_names, glob))
+        hits = [n for glob in selection.preset.targets for n in fnmatch.filter(all_names, glob)]
+        if not hits and not selection.targets:
+            raise SelectionError(
+                f"preset {selection.preset.name!r} matches no tensor in this checkpoint (its globs: "
+                f"{', '.join(selection.preset.targets[:3])}{', ...' if selection.preset.targets[3:] else ''}); "
+                "pass --target GLOB for this model's tensor names (`shardprep presets` lists the presets)"
+            )
+        chosen.update(hits)
 
     layers: dict[int, list[str]] = {}
     for name in sorted(chosen):
@@ -179,7 +311,7 @@ def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:
             layers.setdefault(idx, []).append(name)
     if not layers:
         raise SelectionError(
-            f"the selection matches no tensor in layers {_fmt_range(selection.layers)} "
+            f"the selection matches no tensor in layers {selection.layers} "
             f"({len(chosen)} matched outside that range); check --layers"
         )
     rules = selection.preset.fused if selection.preset else ()
@@ -200,6 +332,3 @@ def _fused_groups(layer_names: Sequence[str], rules: Sequence[FusedRule]) -> lis
                     groups.append(FusedGroup(prefix + rule.name, members))
     return groups
 
-
-def _fmt_range(r: LayerRange) -> str:
-    return f"{r.start}-{'' if r.stop is None else r.stop}"

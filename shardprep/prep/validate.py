@@ -1,36 +1,56 @@
-"""`shardprep validate`: check an output directory against its manifest, and optionally against the source."""
+"""`shardprep validate`: check an output directory against its manifest, and optionally against the source.
+
+Every file is read through the strict readers of `shardprep.manifests` (exact reads, safe paths, hostile
+JSON, safetensors headers), the same ones the runtime uses, and every safetensors file is also opened
+with the safetensors library itself. Everything wrong is a `Problem` with a stable code in the report;
+an exception means validation could not run at all.
+"""
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
-from ..errors import ManifestError, ShardprepError, SourceError
+from ..errors import IntegrityError, ManifestError, RequantError, ShardprepError
+from ..manifests.checksums import HASH_SEED
+from ..manifests.exact_read import iter_blocks, pread_exact, read_exact
 from ..manifests.layout import chunk_range
-from ..manifests.manifest import MANIFEST_NAME, Manifest, check_invariants, is_safe_relpath, load_manifest
-from .source import open_source, read_safetensors_header
+from ..manifests.manifest import MANIFEST_NAME, LayerRecord, Manifest, check_invariants, read_manifest_file
+from ..manifests.paths import resolve_inside
+from ..manifests.problems import Problem, quoted
+from ..manifests.replicated import NOTICE_TENSOR, ReplicatedIndex, check_replicated_file, read_replicated_index
+from ..manifests.safetensors_header import SafetensorsHeader, read_safetensors_header
+from .output_dir import is_staging_dir
+from .source import SourceCheckpoint, open_source
 
+REPORT_SCHEMA = "shardprep/validate-report/1"
 MAX_PROBLEMS = 200
 
 
 @dataclass
 class ValidationReport:
-    """The outcome: `ok` is True when `problems` is empty. `checked` counts what was looked at."""
+    """The outcome: `ok` is True when `problems` is empty. `warnings` never make a directory invalid but
+    say what could not be verified; `checked` counts what was looked at."""
 
     directory: str
-    problems: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=dict)
+    format_version: int | None = None
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
-    def add(self, problem: str) -> None:
+    @property
+    def messages(self) -> list[str]:
+        """The problems as one-line messages."""
+        return [p.message for p in self.problems]
+
+    def add(self, problem: Problem) -> None:
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(problem)
 
@@ -38,185 +58,362 @@ class ValidationReport:
         self.checked[what] = self.checked.get(what, 0) + n
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, **asdict(self)}
+        """The `--json` report (schema "shardprep/validate-report/1"; codes in docs/reliability.md)."""
+        return {
+            "schema": REPORT_SCHEMA,
+            "ok": self.ok,
+            "directory": self.directory,
+            "format_version": self.format_version,
+            "problems": [p.to_dict() for p in self.problems],
+            "warnings": [w.to_dict() for w in self.warnings],
+            "checked": dict(self.checked),
+        }
 
 
-def validate(directory: str | Path, source: str | Path | None = None) -> ValidationReport:
-    """Check every invariant of an output directory; with `source`, compare every target byte with it.
+def validate(directory: str | Path, source: str | Path | None = None,
+             revision: str | None = None) -> ValidationReport:
+    """Check every invariant and every byte of an output directory; with `source`, compare every target
+    and replicated tensor with it.
 
+    A hub repo id as `source` is resolved at the commit the manifest records (`revision` overrides).
     Raises ShardprepError only when validation cannot run at all (the directory or the source is
-    missing); everything wrong with the directory itself is reported in `problems`.
+    missing or unreadable); everything wrong with the directory itself is reported in `problems`.
 
     >>> report = validate("out/", source="my-model/")  # doctest: +SKIP
-    >>> report.ok, report.problems
-    (True, [])
+    >>> assert report.ok, report.messages  # doctest: +SKIP
     """
     root = Path(directory)
+    if "\x00" in str(root):
+        raise ShardprepError(f"{quoted(str(root))}: a path cannot contain a NUL byte")
     if not root.is_dir():
         raise ShardprepError(f"{root}: no such directory")
     report = ValidationReport(str(root))
-    try:
-        manifest = load_manifest(root, check=False)
-    except ManifestError as exc:
-        report.add(str(exc))
+    if is_staging_dir(root):
+        report.add(Problem("staging_directory", f"{root}: a staging directory of an interrupted or unfinished "
+                           "convert, not an output; the next convert into its parent removes it"))
         return report
+    try:
+        manifest, unsealed = read_manifest_file(root, check=False)
+    except ManifestError as exc:
+        report.add(Problem(exc.code, str(exc), file=MANIFEST_NAME))
+        return report
+    report.format_version = manifest.version
+    if unsealed:
+        report.add(Problem("manifest_checksum_mismatch", f"{MANIFEST_NAME}: {unsealed}", file=MANIFEST_NAME))
     for problem in check_invariants(manifest):
-        report.add(f"{MANIFEST_NAME}: {problem}")
-    if not report.ok:
+        report.add(Problem(problem.code, f"{MANIFEST_NAME}: {problem.message}", problem.file, problem.layer,
+                           problem.tensor))
+    if any(p.code != "manifest_checksum_mismatch" for p in report.problems):
         return report  # offsets cannot be trusted: reading files by them would only add noise
-    _check_rank_files(root, manifest, report)
-    weight_map = _check_replicated(root, manifest, report)
+    if manifest.version < 2:
+        report.warnings.append(Problem(
+            "unverified_replicated_files", "format version 1: the replicated files (index, safetensors, config, "
+            "tokenizer) have no checksums, so only their structure was checked; re-run convert for version 2"))
+    usable = _check_rank_files(root, manifest, report)
+    index = _check_replicated(root, manifest, report)
     if source is not None:
-        _check_against_source(root, manifest, weight_map, source, report)
+        _check_against_source(root, manifest, index, usable, source, revision, report)
     return report
 
 
-def _inside(root: Path, rel: str, report: ValidationReport) -> Path | None:
-    path = root / rel
-    if not is_safe_relpath(rel) or not path.resolve().is_relative_to(root.resolve()):
-        report.add(f"{rel}: path leaves the output directory")
-        return None
-    return path
+# -- rank files ----------------------------------------------------------------------------------
 
 
-def _check_rank_files(root: Path, m: Manifest, report: ValidationReport) -> None:
-    size = m.rank_file_bytes
+def _check_rank_files(root: Path, m: Manifest, report: ValidationReport) -> set[int]:
+    """Check every rank file; returns the ranks whose files can be read by the manifest's offsets."""
+    usable = set()
+    header = m.rank_header
     for rank, rel in enumerate(m.rank_files):
-        path = _inside(root, rel, report)
-        if path is None:
-            continue
         try:
-            actual = path.stat().st_size
-        except FileNotFoundError:
-            report.add(f"{rel}: rank {rank} file is missing")
+            path = resolve_inside(root, rel, what=f"rank {rank}'s file")
+        except IntegrityError as exc:
+            report.add(Problem.of(exc))
             continue
-        if actual != size:
-            report.add(f"{rel}: size is {actual} bytes, manifest says {size}")
+        if not path.is_file():
+            report.add(Problem("rank_file_missing", f"{rel}: rank {rank} file is missing", file=rel))
             continue
-        with open(path, "rb") as f:
-            at = 0
-            for r in m.layers:
-                if r.file_offset > at:
-                    gap = os.pread(f.fileno(), r.file_offset - at, at)
-                    if gap.count(0) != len(gap):
-                        report.add(f"{rel}: non-zero bytes in the file padding before layer {r.layer}")
-                chunk = os.pread(f.fileno(), r.chunk_bytes, r.file_offset)
-                at = r.file_offset + r.chunk_bytes
-                if r.checksums and xxhash.xxh3_128_hexdigest(chunk) != r.checksums[rank]:
-                    report.add(f"{rel}: layer {r.layer} chunk checksum mismatch (file corrupt or modified)")
-                report.count("chunks")
-                report.count("bytes", len(chunk))
-                c0, c1 = chunk_range(rank, r.chunk_bytes)
-                for lo, hi in _padding_ranges(r):
-                    a, b = max(lo, c0), min(hi, c1)
-                    if a < b:
-                        piece = chunk[a - c0:b - c0]
-                        if piece.count(0) != len(piece):
-                            report.add(f"{rel}: layer {r.layer} padding bytes [{a}, {b}) of T are not zero")
+        actual = path.stat().st_size
+        if actual != m.rank_file_bytes:
+            report.add(Problem("rank_file_size", f"{rel}: size is {actual} bytes, manifest says {m.rank_file_bytes}",
+                               file=rel))
+            continue
+        usable.add(rank)
+        try:
+            _check_one_rank_file(path, rel, rank, m, header, report)
+        except IntegrityError as exc:
+            report.add(Problem.of(exc))
+        except OSError as exc:
+            report.add(Problem("unreadable_file", f"{rel}: cannot read ({exc.strerror or exc})", file=rel))
+        if header:
+            _check_with_library(path, rel, report)
+    return usable
 
 
-def _padding_ranges(r) -> list[tuple[int, int]]:
-    """Byte ranges of T that belong to no entry: alignment gaps and the tail."""
+def _check_one_rank_file(path: Path, rel: str, rank: int, m: Manifest, header: bytes,
+                         report: ValidationReport) -> None:
+    import xxhash
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if header and read_exact(fd, len(header), 0, rel) != header:
+            report.add(Problem("rank_header_mismatch", f"{rel}: its safetensors header is not the one the manifest "
+                               "implies (every rank file's header must be these exact bytes)", file=rel))
+        at = len(header)
+        for r in m.layers:
+            if r.file_offset > at and _has_nonzero(fd, at, r.file_offset - at, rel):
+                report.add(Problem("nonzero_padding", f"{rel}: non-zero bytes in the file padding before layer "
+                                   f"{r.layer}", file=rel, layer=r.layer))
+            hasher = xxhash.xxh3_128(seed=HASH_SEED)
+            c0, _ = chunk_range(rank, r.chunk_bytes)
+            padding = _padding_in_chunk(r, rank)
+            bad_padding = None
+            for start, piece in iter_blocks(fd, r.file_offset, r.chunk_bytes, rel):
+                hasher.update(piece)
+                t0 = c0 + start - r.file_offset  # where this block starts in T
+                bad_padding = bad_padding or _nonzero_padding(piece, t0, padding)
+            if hasher.hexdigest() != r.checksums[rank]:
+                report.add(Problem("checksum_mismatch", f"{rel}: layer {r.layer} chunk checksum mismatch (file "
+                                   "corrupt or modified)", file=rel, layer=r.layer))
+            if bad_padding:
+                a, b = bad_padding
+                report.add(Problem("nonzero_padding", f"{rel}: layer {r.layer} padding bytes [{a}, {b}) of T are "
+                                   "not zero", file=rel, layer=r.layer))
+            report.count("chunks")
+            report.count("bytes", r.chunk_bytes)
+            at = r.file_offset + r.chunk_bytes
+    finally:
+        os.close(fd)
+
+
+def _padding_in_chunk(r: LayerRecord, rank: int) -> list[tuple[int, int]]:
+    """Byte ranges of T that belong to no entry (alignment gaps and the tail), clipped to rank's chunk."""
+    c0, c1 = chunk_range(rank, r.chunk_bytes)
     ranges, at = [], 0
     for e in sorted(r.entries, key=lambda e: e.offset):
         if e.offset > at:
             ranges.append((at, e.offset))
-        at = e.offset + e.nbytes
+        at = max(at, e.offset + e.nbytes)
     if at < r.total_bytes:
         ranges.append((at, r.total_bytes))
-    return ranges
+    return [(max(a, c0), min(b, c1)) for a, b in ranges if max(a, c0) < min(b, c1)]
 
 
-def _check_replicated(root: Path, m: Manifest, report: ValidationReport) -> dict[str, str]:
-    index_path = _inside(root, m.replicated_index, report)
-    if index_path is None:
-        return {}
+def _nonzero_padding(piece: memoryview, t0: int, padding: list[tuple[int, int]]) -> tuple[int, int] | None:
+    import numpy as np
+
+    t1 = t0 + len(piece)
+    arr = np.frombuffer(piece, dtype=np.uint8)
+    for a, b in padding:
+        lo, hi = max(a, t0), min(b, t1)
+        if lo < hi and np.count_nonzero(arr[lo - t0:hi - t0]):
+            return a, b
+    return None
+
+
+def _has_nonzero(fd: int, offset: int, nbytes: int, rel: str) -> bool:
+    import numpy as np
+
+    return any(np.count_nonzero(np.frombuffer(piece, dtype=np.uint8)) for _, piece in
+               iter_blocks(fd, offset, nbytes, rel))
+
+
+def _check_with_library(path: Path, rel: str, report: ValidationReport) -> None:
+    """The safetensors library is the judge of what a safetensors file is: what it refuses is invalid."""
+    from safetensors import safe_open
+
     try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except FileNotFoundError:
-        report.add(f"{m.replicated_index}: replicated index is missing")
-        return {}
-    except (json.JSONDecodeError, KeyError, TypeError):
-        report.add(f"{m.replicated_index}: not a valid safetensors index")
-        return {}
-    targets = set(m.target_names())
-    for name in sorted(targets & set(weight_map)):
-        report.add(f"tensor {name!r} is both a target and in {m.replicated_index}")
-    for fname in sorted(set(weight_map.values())):
-        path = _inside(root, fname, report)
-        if path is None:
+        with safe_open(str(path), framework="numpy") as f:
+            f.keys()
+    except Exception as exc:  # the library raises its own SafetensorError, and OSError
+        report.add(Problem("invalid_safetensors", f"{rel}: the safetensors library refuses it "
+                           f"({' '.join(str(exc).split())[:200]})", file=rel))
+    report.count("safetensors_files_opened")
+
+
+# -- the replicated part -------------------------------------------------------------------------
+
+
+def _check_replicated(root: Path, m: Manifest, report: ValidationReport) -> ReplicatedIndex | None:
+    try:
+        check_replicated_file(root, m, m.replicated_index, verify=True)
+    except IntegrityError as exc:
+        report.add(Problem.of(exc))
+    try:
+        # Parsed even when its checksum failed (reported above), so that what is wrong in it is named too.
+        index, problems = read_replicated_index(root, m, verify=False)
+    except IntegrityError as exc:
+        report.add(Problem.of(exc))
+        index, problems = None, []
+    for p in problems:
+        report.add(p)
+    checked: set[str] = {m.replicated_index}
+    for name in index.files() if index else []:
+        checked.add(name)
+        header = _checked_safetensors(root, m, name, report)
+        if header is None:
             continue
-        try:
-            header, _, _ = read_safetensors_header(path)
-        except SourceError as exc:
-            report.add(str(exc))
-            continue
-        expected = {t for t, f in weight_map.items() if f == fname}
-        for t in sorted(expected - set(header)):
-            report.add(f"{fname}: does not hold {t!r}, which {m.replicated_index} maps to it")
-        for t in sorted(set(header) - expected):
-            report.add(f"{fname}: holds {t!r}, which {m.replicated_index} does not list")
+        expected = index.tensors_of(name) if index else set()
+        for t in sorted(expected - set(header.tensors)):
+            report.add(Problem("index_mismatch", f"{name}: does not hold {quoted(t)}, which {m.replicated_index} "
+                               "maps to it", file=name, tensor=t))
+        for t in sorted(set(header.tensors) - expected):
+            report.add(Problem("index_mismatch", f"{name}: holds {quoted(t)}, which {m.replicated_index} does not "
+                               "list", file=name, tensor=t))
         report.count("replicated_files")
-    report.count("replicated_tensors", len(weight_map))
-    return weight_map
+    if index:
+        report.count("replicated_tensors", len(index.weight_map))
+    if m.version >= 2:
+        for record in m.replicated_files:
+            if record.path in checked:
+                continue
+            if record.path.endswith(".safetensors"):
+                _checked_safetensors(root, m, record.path, report)
+            else:
+                try:
+                    check_replicated_file(root, m, record.path, verify=True)
+                except IntegrityError as exc:
+                    report.add(Problem.of(exc))
+            report.count("other_files")
+        _check_unlisted(root, m, report)
+    return index
 
 
-def _check_against_source(root: Path, m: Manifest, weight_map: dict[str, str], source, report: ValidationReport):
-    ckpt = open_source(source)
+def _checked_safetensors(root: Path, m: Manifest, name: str, report: ValidationReport) -> SafetensorsHeader | None:
+    try:
+        path = check_replicated_file(root, m, name, verify=True)
+        header = read_safetensors_header(path)
+    except IntegrityError as exc:
+        report.add(Problem.of(exc))
+        return None
+    _check_with_library(path, name, report)
+    return header
+
+
+def _check_unlisted(root: Path, m: Manifest, report: ValidationReport) -> None:
+    """A file in OUT that the manifest does not list has no checksum: a loader could read unverified bytes."""
+    listed = {MANIFEST_NAME, *m.rank_files, *(f.path for f in m.replicated_files)}
+    for rel in _walk(root):
+        if rel not in listed:
+            report.add(Problem("unlisted_file", f"{rel}: not listed in the manifest (no checksum); remove it or "
+                               "re-run convert", file=rel))
+
+
+def _walk(root: Path) -> Iterator[str]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            yield Path(dirpath, name).relative_to(root).as_posix()
+
+
+# -- against the source --------------------------------------------------------------------------
+
+
+def _check_against_source(root: Path, m: Manifest, index: ReplicatedIndex | None, usable: set[int],
+                          source: str | Path, revision: str | None, report: ValidationReport) -> None:
+    recorded = m.source if isinstance(m.source, dict) else {}
+    if revision is None and recorded.get("repo_id") is not None and str(source) == recorded.get("repo_id"):
+        revision = recorded.get("commit") or recorded.get("revision")
+    ckpt = open_source(source, revision)
+    for sf in ckpt.files.values():
+        _check_with_library(sf.path, str(sf.path), report)
+    weight_map = index.weight_map if index else {}
     src_names = set(ckpt.tensors)
     targets = set(m.target_names())
     for name in sorted(src_names - targets - set(weight_map)):
-        report.add(f"source tensor {name!r} is neither a target nor in {m.replicated_index}")
-    for name in sorted((targets | set(weight_map)) - src_names):
-        report.add(f"tensor {name!r} is not in the source {source}")
+        report.add(Problem("source_tensor_missing", f"source tensor {quoted(name)} is neither a target nor in "
+                           f"{m.replicated_index}", tensor=name))
+    notice = {NOTICE_TENSOR} if m.version >= 2 else set()
+    for name in sorted((targets | set(weight_map)) - src_names - notice):
+        report.add(Problem("tensor_not_in_source", f"tensor {quoted(name)} is not in the source {source}",
+                           tensor=name))
     from .requant_jobs import reference_runner
 
-    runner = reference_runner(ckpt, m)
-    overrides = {name: runner.producer(name) for name in runner.plan.specs()} if runner else {}
-    fds = [os.open(root / rel, os.O_RDONLY) for rel in m.rank_files]
     try:
-        for r in m.layers:
-            flat = b"".join(os.pread(fd, r.chunk_bytes, r.file_offset) for fd in fds)
-            for e in r.entries:
-                if e.name not in ckpt.tensors:
-                    continue
-                got = flat[e.offset:e.offset + e.nbytes]
-                report.count("target_tensors_compared")
-                t = ckpt.tensors[e.name]
-                if e.name not in overrides and (t.dtype, tuple(t.shape)) != (e.dtype, tuple(e.shape)):
-                    report.add(f"tensor {e.name!r}: manifest says {e.dtype}{list(e.shape)}, "
-                               f"source has {t.dtype}{list(t.shape)}")
-                    continue
-                if got != _expected_bytes(ckpt, overrides, e.name):
-                    report.add(f"tensor {e.name!r}: bytes rebuilt from the rank files differ from the source")
-    finally:
-        for fd in fds:
-            os.close(fd)
-    _check_replicated_bytes(root, weight_map, ckpt, overrides, report)
+        runner = reference_runner(ckpt, m)
+    except RequantError as exc:
+        report.add(Problem("requant_mismatch", str(exc)))
+        return
+    overrides = {name: runner.producer(name) for name in runner.plan.specs()} if runner else {}
+    if usable == set(range(m.world_size)):
+        _compare_targets(root, m, ckpt, overrides, report)
+    else:
+        report.add(Problem("source_check_skipped", f"targets not compared with the source: "
+                           f"{m.world_size - len(usable)} rank file(s) missing or of the wrong size"))
+    _compare_replicated(root, weight_map, ckpt, overrides, report)
 
 
-def _check_replicated_bytes(root: Path, weight_map: dict[str, str], ckpt, overrides, report: ValidationReport):
-    headers: dict[str, tuple[dict, int]] = {}
-    for name, fname in weight_map.items():
+def _compare_targets(root: Path, m: Manifest, ckpt: SourceCheckpoint, overrides: dict[str, Callable[[], Any]],
+                     report: ValidationReport) -> None:
+    for r in m.layers:
+        flat = bytearray(r.total_bytes)
+        view = memoryview(flat)
+        try:
+            # One rank file open at a time, whatever N.
+            for rank, rel in enumerate(m.rank_files):
+                fd = os.open(root / rel, os.O_RDONLY)
+                try:
+                    lo, hi = chunk_range(rank, r.chunk_bytes)
+                    pread_exact(fd, view[lo:hi], r.file_offset, rel)
+                finally:
+                    os.close(fd)
+        except IntegrityError as exc:
+            report.add(Problem.of(exc))
+            continue
+        for e in r.entries:
+            if e.name not in ckpt.tensors:
+                continue
+            report.count("target_tensors_compared")
+            t = ckpt.tensors[e.name]
+            if e.name not in overrides and (t.dtype, tuple(t.shape)) != (e.dtype, tuple(e.shape)):
+                report.add(Problem("tensor_mismatch", f"tensor {quoted(e.name)}: manifest says {e.dtype}"
+                                   f"{list(e.shape)}, source has {t.dtype}{list(t.shape)}", layer=r.layer,
+                                   tensor=e.name))
+                continue
+            expected = _expected_bytes(ckpt, overrides, e.name, report)
+            if expected is not None and view[e.offset:e.offset + e.nbytes] != expected:
+                report.add(Problem("target_bytes_differ", f"tensor {quoted(e.name)}: bytes rebuilt from the rank "
+                                   "files differ from the source", layer=r.layer, tensor=e.name))
+
+
+def _compare_replicated(root: Path, weight_map: dict[str, str], ckpt: SourceCheckpoint,
+                        overrides: dict[str, Callable[[], Any]], report: ValidationReport) -> None:
+    headers: dict[str, SafetensorsHeader | None] = {}
+    for name, fname in sorted(weight_map.items(), key=lambda item: item[1]):
         if name not in ckpt.tensors:
             continue
         if fname not in headers:
             try:
-                header, _, start = read_safetensors_header(root / fname)
-            except SourceError:
-                continue  # already reported by _check_replicated
-            headers[fname] = (header, start)
-        header, start = headers[fname]
-        if name not in header:
+                headers[fname] = read_safetensors_header(resolve_inside(root, fname))
+            except IntegrityError:
+                headers[fname] = None  # already reported with the replicated part
+        header = headers[fname]
+        if header is None or name not in header.tensors:
             continue
-        b, e = header[name]["data_offsets"]
-        with open(root / fname, "rb") as f:
-            got = os.pread(f.fileno(), e - b, start + b)
+        info = header.tensors[name]
+        fd = os.open(root / fname, os.O_RDONLY)
+        try:
+            got = read_exact(fd, info.nbytes, header.data_start + info.begin, fname)
+        finally:
+            os.close(fd)
         report.count("replicated_tensors_compared")
-        if got != _expected_bytes(ckpt, overrides, name):
-            report.add(f"{fname}: tensor {name!r} differs from the source")
+        expected = _expected_bytes(ckpt, overrides, name, report)
+        if expected is not None and got != expected:
+            report.add(Problem("replicated_bytes_differ", f"{fname}: tensor {quoted(name)} differs from the source",
+                               file=fname, tensor=name))
 
 
-def _expected_bytes(ckpt, overrides, name: str) -> bytes:
-    """What the output must hold for a source tensor: its recomputed requant, or its source bytes."""
-    return bytes(overrides[name]()) if name in overrides else ckpt.read_tensor(name)
+def _expected_bytes(ckpt: SourceCheckpoint, overrides: dict[str, Callable[[], Any]], name: str,
+                    report: ValidationReport) -> bytes | None:
+    """What the output must hold for a source tensor: its recomputed requant, or its source bytes.
+
+    None (and a problem) when the requant the manifest records refuses the source tensor: then the output
+    cannot have been made from this source with those options.
+    """
+    if name not in overrides:
+        return ckpt.read_tensor(name)
+    try:
+        return bytes(overrides[name]())
+    except RequantError as exc:
+        report.add(Problem("requant_mismatch", f"{exc} (recomputing the requantization the manifest records)",
+                           tensor=name))
+        return None

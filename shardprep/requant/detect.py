@@ -39,6 +39,8 @@ def detect_block_fp8(config: dict, tensor_names: Iterable[str]) -> BlockFP8Info 
     True
     """
     quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise RequantError(f"config.json: quantization_config is a {type(quant).__name__}, not an object")
     if not quant or quant.get("quant_method") != "fp8" or quant.get("weight_block_size") is None:
         # Not block FP8 (unquantized, another method, or per-tensor FP8): nothing to requantize.
         return None

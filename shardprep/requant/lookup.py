@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import RequantError
+
 FP8_MAX = np.float32(448.0)
 AMAX_FLOOR = np.float32(1e-4)  # torch's clamp(min=1e-4) on float32 uses this same float32 value
 BLOCK = 128
@@ -103,6 +105,35 @@ def e8m0_codes(pow2: np.ndarray) -> np.ndarray:
     return ((np.ascontiguousarray(pow2, dtype=np.float32).view(np.uint32) >> 23) & 0xFF).astype(np.uint8)
 
 
+def first_negative(scale: np.ndarray) -> tuple[int, ...] | None:
+    """Index of the first negative element (NaN and -0.0 are not negative), or None.
+
+    A negative `weight_scale_inv` has no power-of-two form: requantizing it would write NaN codes.
+
+    >>> first_negative(np.array([[1.0, -0.0], [-2.0, 3.0]], np.float32)), first_negative(np.ones(3))
+    ((1, 0), None)
+    """
+    negative = np.asarray(scale, dtype=np.float32) < 0
+    if not negative.any():
+        return None
+    return tuple(int(i) for i in np.argwhere(negative)[0])
+
+
+def refuse_negative_scale(scale_inv: np.ndarray, name: str) -> None:
+    """Raise RequantError naming `name` if a block scale (float32 numpy array) is negative.
+
+    >>> try:
+    ...     refuse_negative_scale(np.array([[0.5, -1.0]], np.float32), "demo.weight")
+    ... except RequantError as exc:
+    ...     print(str(exc)[:73])
+    tensor 'demo.weight': weight_scale_inv is negative at index (0, 1) (-1.0)
+    """
+    where = first_negative(scale_inv)
+    if where is not None:
+        raise RequantError(f"tensor {name!r}: weight_scale_inv is negative at index {where} "
+                           f"({float(scale_inv[where])}); block scales must be positive, the checkpoint is corrupt")
+
+
 def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray] | None:
     """Requantize one [rows, cols] matrix of fp8 codes (uint8) with its float32 block scales.
 
@@ -115,7 +146,7 @@ def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[n
     """
     rows, cols = codes.shape
     blocks_n, blocks_k = scale.shape
-    if not np.isfinite(scale).all():
+    if not np.isfinite(scale).all() or first_negative(scale) is not None:
         return None
     if (rows, cols) != (blocks_n * BLOCK, blocks_k * BLOCK):
         padded = np.zeros((blocks_n * BLOCK, blocks_k * BLOCK), dtype=np.uint8)  # code 0 is +0.0
@@ -138,7 +169,7 @@ def requant_matrix(codes: np.ndarray, scale: np.ndarray, recipe: str) -> tuple[n
             table = round_to_bfloat16(table)
         table = encode_e4m3(table * (np.float32(1.0) / sf)[:, :, None])
     out = np.empty_like(blocks)
-    src, dst = memoryview(blocks).cast("B"), memoryview(out).cast("B")
+    src, dst = memoryview(blocks.data).cast("B"), memoryview(out.data).cast("B")
     tables = table.reshape(-1, 256)
     size = blocks.shape[2]
     for b in range(tables.shape[0]):

@@ -8,12 +8,13 @@ do. docs/requant.md states it step by step and says why each step is the way it 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from ..errors import RequantError
 from . import RECIPES
-from .lookup import BLOCK, CHUNK_ELEMENTS, are_e8m0_powers_of_two, e8m0_codes, requant_codes
+from .lookup import BLOCK, CHUNK_ELEMENTS, are_e8m0_powers_of_two, e8m0_codes, refuse_negative_scale, requant_codes
 
 FP8_MAX = 448.0
 # Below this block maximum every block gets the same scale (2^-22), so all-zero blocks stay well defined.
@@ -44,8 +45,8 @@ def requant_ue8m0(
     [..., ceil(N/128), ceil(K/128)]. Returns (float8_e4m3fn of weight's shape, float32 powers of two of
     scale_inv's shape), both on the CPU; the work itself runs on `device`, and "cuda" gives the same
     bytes as "cpu". `recipe="sglang"` rounds the dequantized weight to bfloat16 first, as SGLang does;
-    `recipe="fp32"` (vLLM's) does not. Raises RequantError, naming `name`, for non-finite scales or
-    dequantized values unless `allow_nonfinite`.
+    `recipe="fp32"` (vLLM's) does not. Raises RequantError, naming `name`, for a negative scale (always)
+    and for non-finite scales or dequantized values unless `allow_nonfinite`.
 
     >>> w = torch.full((2, 3), 192.0).to(torch.float8_e4m3fn)  # 192 * 3 = 576 = 288 * 2
     >>> q, s = requant_ue8m0(w, torch.tensor([[3.0]]), name="demo.weight")
@@ -54,6 +55,7 @@ def requant_ue8m0(
     """
     run_on = _resolve_device(device, name)
     _check_inputs(weight, scale_inv, block, recipe, name)
+    refuse_negative_scale(scale_inv.to(torch.float32).cpu().numpy(), name)
     if not allow_nonfinite:
         _refuse_nonfinite(scale_inv.to(torch.float32), name, what="scale_inv")
     *batch, n, k = weight.shape
@@ -82,10 +84,10 @@ def requant_ue8m0(
             row1 = min(n, row0 + rows_per_pass)
             stripes = slice(row0 // block_n, -(-row1 // block_n))
             codes, scale = weights[expert, row0:row1].to(run_on), scales[expert, stripes].to(run_on)
-            fast = _requant_by_table(codes, scale, block, recipe) if run_on.type != "cpu" else None
-            if fast is not None:
-                q_flat[expert, row0:row1] = fast[0][: row1 - row0, :k].view(torch.float8_e4m3fn).cpu()
-                s_flat[expert, stripes] = fast[1].cpu()
+            by_table = _requant_by_table(codes, scale, block, recipe) if run_on.type != "cpu" else None
+            if by_table is not None:
+                q_flat[expert, row0:row1] = by_table[0][: row1 - row0, :k].view(torch.float8_e4m3fn).cpu()
+                s_flat[expert, stripes] = by_table[1].cpu()
                 continue
             x = _dequantize(codes, scale, block, recipe)
             if not allow_nonfinite:
@@ -259,16 +261,17 @@ def _check_inputs(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[in
                            f"for {block[0]}x{block[1]} blocks, got {tuple(scale_inv.shape)}")
 
 
-def _source_index(expert: int, batch: list[int], row0: int):
+def _source_index(expert: int, batch: list[int], row0: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
     """Maps an index in one pass's rows back to an index in the caller's tensor, for error messages."""
-    lead = []
+    lead: list[int] = []
     for size in reversed(batch):
         expert, i = divmod(expert, size)
         lead.insert(0, i)
     return lambda index: (*lead, row0 + index[0], index[1])
 
 
-def _refuse_nonfinite(x: torch.Tensor, name: str, *, what: str, to_source_index=None) -> None:
+def _refuse_nonfinite(x: torch.Tensor, name: str, *, what: str,
+                      to_source_index: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None) -> None:
     bad = ~torch.isfinite(x)
     if not bool(bad.any()):
         return

@@ -10,6 +10,7 @@ that names the ranks that disagree.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ class AlignmentCheck:
 
     def __init__(self, group: dist.ProcessGroup, timeout: timedelta):
         self.ranks = dist.get_process_group_ranks(group)
-        kwargs = {} if group is dist.group.WORLD else {"use_local_synchronization": True}
+        kwargs: dict[str, Any] = {} if group is dist.group.WORLD else {"use_local_synchronization": True}
         self.group = dist.new_group(self.ranks, backend="gloo", timeout=timeout, **kwargs)
         self.rank = dist.get_rank(group)
         self.timeout = timeout

@@ -176,13 +176,12 @@ def _layer_modules(model: nn.Module, manifest: Manifest, layers: LayerModules | 
         if missing:
             raise RuntimeShardError(f"layers= has no module for manifest layer {missing[0]}")
         return {i: layers[i] for i in indices}
-    if layers is None or isinstance(layers, str):
-        layers = _find_layer_list(model, manifest, layers)
+    found: Any = _find_layer_list(model, manifest, layers) if layers is None or isinstance(layers, str) else layers
     try:
-        return {i: layers[i] for i in indices}
+        return {i: found[i] for i in indices}
     except IndexError:
         raise RuntimeShardError(
-            f"the model has {len(layers)} layers but the manifest has layer {max(indices)}; "
+            f"the model has {len(found)} layers but the manifest has layer {max(indices)}; "
             "was DIR converted from this model?"
         ) from None
 
@@ -269,7 +268,7 @@ def _check_not_shared(model: nn.Module, bound: list[BoundLayer]) -> None:
     for name, p in model.named_parameters(remove_duplicate=False):
         layer = owner.get(id(p))
         prefix = module_names.get(id(layer.module)) if layer else None
-        if prefix is not None and not name.startswith(prefix + "."):
+        if layer is not None and prefix is not None and not name.startswith(prefix + "."):
             raise RuntimeShardError(
                 f"a target of layer {layer.index} is tied to {name!r}, outside that layer; tied weights "
                 "cannot be sharded, leave them out of the targets"

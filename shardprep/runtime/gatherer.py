@@ -1,58 +1,130 @@
-"""LayerGatherer: rebuild each layer's weights with one gather, one layer ahead, into ping-pong slots.
+"""LayerGatherer: rebuild each layer's weights with one gather, ahead of the compute, into ping-pong slots.
 
-Schedule (S = num_slots = 2; G(ℓ) = gather of layer ℓ into slot ℓ % S):
+Schedule (S = num_slots = 2; G(i) = gather of the layer at position i into slot i % S):
 
     compute stream:  begin ─ wait(0) ─ [layer 0] done(0) ─ wait(1) ─ [layer 1] done(1) ─ wait(2) ─ ...
-                          │      ▲                   │         ▲                   │
-    gather stream:      G(0)    G(1) ┄┄┄┄┄┄┄┄┄┄┄┄┄┄ ▼ G(2) ... │ (G(2) waits for done(0): slot 0 is free)
-                                 └ issued by wait(0)            └ issued by wait(1)
+                          │      │                   │                          │
+    gather stream:      G(0)    G(1)                G(2) (waits for done(0))  G(3) (waits for done(1))
 
-- wait(ℓ) issues G(ℓ+1) first, so it overlaps layer ℓ's compute, then makes the compute stream wait
-  for G(ℓ) (the only cross-stream wait the compute stream does per layer) and returns ℓ's views.
+- G(i+S) is issued by done(i), the moment its slot is released; wait(i) issues G(i+1) if that has
+  not happened yet (a skipped done()). So a gather runs as early as its slot allows, and a gather of
+  a sharded layer overlaps every non-sharded layer computed before it.
+- wait(i) makes the compute stream wait for G(i) (the only cross-stream wait the compute stream
+  does per layer) and returns i's views.
 - Every gather into slot s waits on the done() event of the layer that last used slot s (in this
   forward or the previous one), so a slot is never overwritten while it is still read, and nothing
   else is waited for: the next forward's first gathers overlap the previous forward's last layer.
-- Where that event is missing (first forward, a skipped done(), an abandoned forward, or inside a
-  CUDA graph capture, which cannot wait on events recorded outside it), the gather waits for all
-  work queued on the compute stream so far instead.
 
-Every decision (order, slots, offsets, views, backend ops, streams, events) is made in __init__;
-the per-layer path only issues ops and records or waits on events.
+Each slot has an owner (the forward and position of the layer it holds) and a state, and the
+gatherer one phase. A gather into a slot waits according to the slot's state, so no sequence of
+calls lets it overwrite bytes a compute may still read:
+
+| slot state | meaning                              | a gather into it waits for                   |
+|------------|--------------------------------------|----------------------------------------------|
+| EMPTY      | never gathered into                  | nothing                                      |
+| GATHERING  | gathered into, never waited on       | that gather (it may be on another stream)    |
+| READ       | wait() returned its views, no done() | all work queued on the compute stream so far |
+| RELEASED   | done() recorded its `done` event     | that event                                   |
+
+done(ℓ) releases the slot only if the slot still holds this forward's ℓ and is READ: a stray or
+late done() (after prefetch_first(), after the slot was refilled, twice) changes nothing.
+
+Collective backends pair gathers by position, so the gatherer sends a tag (layer position, forward
+count) with every chunk, in the same collective call (`backends/collective.py`). Once per forward,
+after its last gather, a few tiny ops on the gather stream compare every rank's tags with this
+rank's and fold any difference into a sticky device flag, copied to pinned host memory; the next
+begin() reads that host copy (no synchronisation) and raises if a forward that has completed on
+the device was misaligned. One-sided backends (ce) cannot receive another layer's bytes and send
+no tags (see backends/ce.py).
+
+Every decision (order, slots, views, backend ops, streams, events, tag buffers) is made in
+__init__; the per-layer path (wait, done, _issue, _protect) only issues ops and records or waits
+on events: no tensor is allocated there and no Python loop runs over tensors.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ..errors import RuntimeShardError
 from ..loader.rank_shards import RankShards
+from . import zero_copy as zc
 from .alignment import AlignmentCheck
 from .backends import GatherBackend, make_backend
-from .backends.base import group_and_rank
+from .backends.base import Tags, all_ranks_agree, collective_device, group_and_rank, log
 from .views import layer_views
 
 
+class Phase(Enum):
+    """Where the gatherer is in the forward cycle."""
+
+    IDLE = "idle"  # no forward in progress: before the first one, or after done() of the last layer
+    PREFETCHED = "prefetched"  # prefetch_first() issued the next forward's first gather; begin() takes it
+    FORWARD = "forward"  # from begin() on: wait()/done() walk the layers
+    FAILED = "failed"  # the ranks' gathers were found misaligned; the gatherer refuses to go on
+
+
+class SlotState(Enum):
+    """What a slot's bytes are doing now (see the module docstring's table)."""
+
+    EMPTY = "empty"
+    GATHERING = "gathering"
+    READ = "read"
+    RELEASED = "released"
+
+
+@dataclass(eq=False)
+class Slot:
+    """One gather slot: its memory, the layer it holds (`owner` = (forward, position)), its state and events.
+
+    `gathered` is recorded on the gathering stream after the gather into it; `done` on the compute
+    stream by done(). `work` is a CPU gather still in flight.
+    """
+
+    memory: torch.Tensor
+    gathered: Any = None
+    done: Any = None
+    owner: tuple[int, int] | None = None
+    state: SlotState = SlotState.EMPTY
+    work: Any = None
+
+
+_NOT_TRACED = nullcontext()
+_profiling = getattr(torch.autograd, "_profiler_enabled", lambda: True)
+
+
 class LayerGatherer:
-    """Gather each layer of `shards` back into full weights, one layer ahead of the compute.
+    """Gather each layer of `shards` back into full weights, ahead of the compute.
 
     Collective: every rank of `group` constructs it with the same arguments and then calls
     begin()/wait()/done() (or idle_step()) for the same forwards, in the same order.
 
     - `backend`: "auto", "gloo", "nccl", "ce", "nccl-symm", or a backend instance.
-    - `num_slots`: gather slots of max|T| bytes each (2 = ping-pong).
+    - `num_slots`: gather slots (2 = ping-pong).
+    - `zero_copy`: map this rank's own chunk of each layer straight from the shard buffer into the
+      layer's view (CUDA VMM), so a gather writes only the peers' parts and a slot holds (N−1)/N of
+      a layer. None (default): wherever it works, else the copy path, said in one log line; True:
+      required (raises if impossible); False: never.
+    - `alignment_tags`: with a collective backend, gather a (layer, forward) tag with every chunk
+      and raise at the next begin() if the ranks' schedules slipped (default; False only to measure
+      what the tags cost).
     - `debug_alignment`: at every begin(), all ranks compare their step over a gloo side group and
       raise an error naming the disagreeing ranks instead of hanging (costs one small all-reduce).
     - `timeout`: how long a CPU (gloo) gather or the alignment check may wait. NCCL gathers use the
       timeout of their process group (`init_process_group(timeout=...)`).
 
-    begin() twice in a row is harmless: the second call does nothing (the first layer's gather is
-    already in flight). begin() after some wait() abandons that forward: the gathers already issued
-    still complete (peers issue them too), and the schedule restarts at the first layer; every rank
-    must do the same. Skipping done(ℓ) is safe but slower: the gather that reuses ℓ's slot then waits
-    for all work queued on the compute stream when it is issued instead of for ℓ's done() event.
+    begin() twice in a row is harmless. begin() after some wait() abandons that forward: the gathers
+    already issued still complete (peers issue them too), and the schedule restarts at the first
+    layer; every rank must do the same. Skipping done(ℓ) is safe but slower: the gather that reuses
+    ℓ's slot then waits for all work queued on the compute stream instead of for ℓ's done() event.
 
     >>> gatherer = LayerGatherer(open_rank("out/", rank, device="cuda:0"))  # doctest: +SKIP
     >>> gatherer.begin()  # doctest: +SKIP
@@ -70,6 +142,8 @@ class LayerGatherer:
         num_slots: int = 2,
         debug_alignment: bool = False,
         timeout: timedelta = timedelta(minutes=10),
+        zero_copy: bool | None = None,
+        alignment_tags: bool = True,
     ):
         group, rank, world_size = group_and_rank(group)
         if world_size != shards.world_size or rank != shards.rank:
@@ -85,130 +159,156 @@ class LayerGatherer:
         self.device = shards.device
         self.timeout = timeout
         self.backend = make_backend(backend, group, self.device) if isinstance(backend, str) else backend
-        if not self.backend.owns(shards.buffer):
-            shards.rehome(self.backend.allocate_local)
 
         records = manifest.layers
         self.layers: tuple[int, ...] = tuple(r.layer for r in records)
-        self.num_slots = min(num_slots, len(records))
-        self._slots = [self.backend.allocate_slot(manifest.max_total_bytes) for _ in range(self.num_slots)]
-        self.backend.connect(shards.buffer, self._slots)
-        n, s = len(records), self.num_slots
-        self._position = {layer: i for i, layer in enumerate(self.layers)}
-        self._views = tuple(layer_views(r, self._slots[i % s]) for i, r in enumerate(records))
-        self._ops = tuple(self.backend.plan(shards.chunk(r.layer), self._slots[i % s][:r.total_bytes])
-                          for i, r in enumerate(records))
-        self._works: list = [None] * s
+        n = len(records)
+        s = self.num_slots = min(num_slots, n)
+        mapped = self._map_own_chunks(zero_copy, rank)
+        if mapped is None:
+            if not self.backend.owns(shards.buffer):
+                shards.rehome(self.backend.allocate_local)
+            memories: tuple[torch.Tensor, ...] = tuple(self.backend.allocate_slot(manifest.max_total_bytes)
+                                                      for _ in range(s))
+            outs = [memories[i % s][:r.total_bytes] for i, r in enumerate(records)]
+        else:
+            memories, outs = mapped.slots, list(mapped.views)
         self._cuda = self.device.type == "cuda"
+        event = torch.cuda.Event if self._cuda else (lambda: None)
+        self._slots = tuple(Slot(m, event(), event()) for m in memories)
+        tags = self._tags = (self._allocate_tags(n, world_size)
+                             if alignment_tags and self.backend.matched_by_position else None)
+        self.backend.connect(shards.buffer, memories, None if mapped is None else mapped.shard_pieces)
+        self._position = {layer: i for i, layer in enumerate(self.layers)}
+        self._outs = tuple(outs)  # per position: the flat bytes a gather fills (a slot, or a zero-copy view)
+        self._views = tuple(layer_views(r, out) for r, out in zip(records, outs))
+        self._ops = tuple(self.backend.plan(shards.chunk(r.layer), out, in_place=self.zero_copy,
+                                            tags=None if tags is None else tags[i])
+                          for i, (r, out) in enumerate(zip(records, outs)))
+        self._labels = tuple(f"shardprep::gather layer {layer}" for layer in self.layers)
         if self._cuda:
-            # gather_stream: every gather of a forward except a prefetched first one.
+            # gather_stream: every gather of a forward except a prefetched first one, and the tag ops.
             # first_stream: prefetch_first()'s gather, issued before begin() (e.g. while sampling).
             self.gather_stream = torch.cuda.Stream(self.device)
             self.first_stream = torch.cuda.Stream(self.device)
-            # gathered[s]: on the stream that gathered into slot s, after that gather.
-            # done[s]: on the compute stream, after the compute of the layer in slot s (done()).
-            # forked: on the compute stream at begin()/prefetch_first()/a skipped done(): all work so far.
-            self._gathered = [torch.cuda.Event() for _ in range(s)]
-            self._done = [torch.cuda.Event() for _ in range(s)]
+            # forked: on the compute stream when a slot has no trustworthy done event: all work so far.
+            # counted: on the gather stream after a forward's tag count was bumped (and the previous check).
+            # first_gathered: on the first stream after a prefetched first gather.
             self._forked = torch.cuda.Event()
+            self._counted = torch.cuda.Event()
+            self._first_gathered = torch.cuda.Event()
+            # checked: on the gather stream after the tag check (joins it back into a captured graph).
+            self._checked = torch.cuda.Event()
+            torch.cuda.synchronize(self.device)  # buffers set up on the compute stream are used on the others
         self._alignment = AlignmentCheck(group, timeout) if debug_alignment else None
 
         self._n = n
-        self._next_issue = n  # index of the next layer to gather in this forward
-        self._next_wait = n  # index of the next layer wait() accepts; n = no forward in progress
-        self._slot_done = [False] * s  # done() recorded for the slot's current layer
-        self._in_forward = False  # from begin() until done() of the last layer
-        self._prefetched = False  # the first layer's gather was issued by prefetch_first()
-        self._prefetch_captured = False  # ... while a CUDA graph was being captured
+        self._phase = Phase.IDLE
+        self._failure = ""
+        self._next_issue = n  # position of the next gather to issue in this forward
+        self._next_wait = n  # position wait() accepts next
+        self._forward = 0  # forwards begun (a prefetched one counts from prefetch_first())
+        self._first_prefetched = False  # this forward's first gather was issued by prefetch_first()
+        self._prefetch_captured = False  # ... inside a CUDA graph capture
         self._last_captured = False  # the last begin()/prefetch_first() ran inside a CUDA graph capture
-        self._forwards = 0
         self._gathers = 0
 
     # -- per layer ------------------------------------------------------------------------------
     def wait(self, layer: int) -> dict[str, torch.Tensor]:
-        """Issue the next layer's gather, wait for `layer`'s, and return its views (name → tensor).
+        """Issue the next layer's gather if not yet issued, wait for `layer`'s, and return its views.
 
-        The views stay valid until the layer's slot is reused: after done(layer) and the next wait().
+        The views stay valid until done(layer): from then on the gather that reuses the slot may be issued
+        (on CUDA it still waits for the compute queued before done()).
 
         >>> w = gatherer.wait(3)  # doctest: +SKIP
         """
         i = self._position.get(layer, -1)
-        if i != self._next_wait:
+        if self._phase is not Phase.FORWARD or i != self._next_wait:
             raise RuntimeShardError(self._out_of_order(layer))
-        if i + 1 == self._next_issue and i + 1 < self._n:
+        if self._next_issue == i + 1 < self._n:
             self._issue(i + 1, self.gather_stream if self._cuda else None)
-        s = i % self.num_slots
-        work = self._works[s]
-        if work is not None:  # CPU backends: block until the bytes are in the slot
-            self._works[s] = None
-            self._wait_work(work, layer)
+        slot = self._slots[i % self.num_slots]
+        if slot.work is not None:  # CPU backends: block until the bytes are in the slot
+            self._wait_work(slot, layer)
         if self._cuda:
             # Protects the slot's bytes: layer ℓ's compute must not read them before G(ℓ) wrote them.
-            torch.cuda.current_stream(self.device).wait_event(self._gathered[s])
+            torch.cuda.current_stream(self.device).wait_event(slot.gathered)
+        slot.state = SlotState.READ
         self._next_wait = i + 1
+        if i + 1 == self._n:
+            self._check_tags(self._n)
         return self._views[i]
 
-    def _issue(self, j: int, stream: torch.cuda.Stream | None) -> None:
-        s = j % self.num_slots
-        if self._cuda:
-            if self._slot_done[s]:
-                # Protects slot s: the layer that last used it (this forward's j − S, or the previous
-                # forward's) may still be read by its compute.
-                stream.wait_event(self._done[s])
-            else:
-                # No done() event to trust: protect the slot from everything queued on the compute stream.
-                self._forked.record(torch.cuda.current_stream(self.device))
-                stream.wait_event(self._forked)
-        self._works[s] = self._ops[j](stream)
-        if self._cuda:
-            self._gathered[s].record(stream)
-        self._slot_done[s] = False
-        self._next_issue = j + 1
-        self._gathers += 1
-
     def done(self, layer: int) -> None:
-        """Record that `layer`'s compute has been issued, so its slot may be refilled after it runs.
+        """Record that `layer`'s compute has been issued: its slot may be refilled once that compute ran.
 
         >>> gatherer.done(3)  # doctest: +SKIP
         """
         i = self._position.get(layer, -1)
-        if not 0 <= i < self._next_wait:
+        if i < 0 or (self._phase is Phase.FORWARD and i >= self._next_wait):
             raise RuntimeShardError(f"done({layer}) before wait({layer}) in this forward")
-        s = i % self.num_slots
-        if i + self.num_slots >= self._next_issue:  # else the slot was refilled already (done() came late)
+        slot = self._slots[i % self.num_slots]
+        forward = self._forward - (self._phase is Phase.PREFETCHED)  # a prefetch started the next forward
+        if slot.owner == (forward, i) and slot.state is SlotState.READ:  # else stray, late or repeated
             if self._cuda:
-                self._done[s].record(torch.cuda.current_stream(self.device))
-            self._slot_done[s] = True
-        if i == self._n - 1:
-            self._in_forward = False
+                slot.done.record(torch.cuda.current_stream(self.device))
+            slot.state = SlotState.RELEASED
+        if self._phase is Phase.FORWARD:
+            if i + 1 == self._n:
+                self._phase = Phase.IDLE
+            elif self._next_issue == i + self.num_slots < self._n:  # the slot is free: refill it now
+                self._issue(i + self.num_slots, self.gather_stream if self._cuda else None)
+
+    def _issue(self, j: int, stream: torch.cuda.Stream | None) -> None:
+        slot = self._slots[j % self.num_slots]
+        with record_function(self._labels[j]) if _profiling() else _NOT_TRACED:
+            if self._cuda:
+                self._protect(slot, stream)
+            slot.work = self._ops[j](stream)
+            if self._cuda:
+                slot.gathered.record(stream)
+        slot.owner, slot.state = (self._forward, j), SlotState.GATHERING
+        self._next_issue = j + 1
+        self._gathers += 1
+
+    def _protect(self, slot: Slot, stream: torch.cuda.Stream | None) -> None:
+        assert stream is not None, "CUDA gathers run on a stream"
+        if slot.state is SlotState.RELEASED:
+            # Protects the slot: its last reader's compute (done() recorded it) must finish before the overwrite.
+            stream.wait_event(slot.done)
+        elif slot.state is SlotState.READ:
+            # No done() for its last reader: protect the slot from all work queued on the compute stream so far.
+            self._forked.record(torch.cuda.current_stream(self.device))
+            stream.wait_event(self._forked)
+        elif slot.state is SlotState.GATHERING:
+            # Never read (an abandoned forward): its gather, maybe on another stream, must finish writing first.
+            stream.wait_event(slot.gathered)
 
     # -- per forward ----------------------------------------------------------------------------
     def begin(self, step: int | None = None) -> None:
-        """Start a forward: reset the schedule and dispatch the first layer's gather.
+        """Start a forward: dispatch the first layer's gather (unless prefetch_first() did).
 
+        Raises if an earlier forward's gathers were misaligned across ranks (collective backends).
         `step` (optional) is the caller's step number, compared across ranks when debug_alignment is on.
 
         >>> gatherer.begin()  # doctest: +SKIP
         """
-        if self._in_forward and self._next_wait == 0:
+        self._raise_if_failed()
+        if self._phase is Phase.FORWARD and self._next_wait == 0:
             return  # begin() twice in a row: the first layer's gather is already in flight
-        if not self._prefetched:  # a prefetched first gather is the only one in flight: keep it
-            self._drain()
+        prefetched = self._phase is Phase.PREFETCHED
+        if self._phase is Phase.FORWARD and self._next_wait < self._n:
+            self._drain()  # an abandoned forward: its CPU gathers complete, its tags are checked
+            self._check_tags(self._next_issue)
+        self._raise_if_misaligned()
         if self._alignment is not None:
-            self._alignment(self._forwards if step is None else step, self._forwards, self._gathers)
-        if self._cuda:
-            if self._prefetched and self._prefetch_captured != torch.cuda.is_current_stream_capturing():
-                raise RuntimeShardError("prefetch_first() and begin() must both run inside the CUDA graph being "
-                                        "captured, or both outside it")
-            self._forget_done_events_across_capture()
-        self._next_wait = 0
-        self._in_forward = True
-        self._forwards += 1
-        if self._prefetched:
-            self._prefetched = False
-            self._next_issue = 1
-        else:
-            self._issue(0, self.gather_stream if self._cuda else None)
+            self._alignment(self._forward if step is None else step, self._forward, self._gathers)
+        if self._cuda and prefetched and self._prefetch_captured != torch.cuda.is_current_stream_capturing():
+            raise RuntimeShardError("prefetch_first() and begin() must both run inside the CUDA graph being "
+                                    "captured, or both outside it")
+        self._phase, self._next_wait = Phase.FORWARD, 0
+        if not prefetched:
+            self._start_forward(prefetch=False)
 
     def idle_step(self, step: int | None = None) -> None:
         """Take part in one forward's gathers without computing, for a rank with no requests this step.
@@ -226,23 +326,21 @@ class LayerGatherer:
     def prefetch_first(self) -> None:
         """Issue the next forward's first gather now, on a dedicated stream (e.g. while sampling).
 
-        Call it between forwards: after done() of the last layer. begin() then skips that gather.
+        Call it between forwards: after the last layer's wait() (and done()). begin() then skips that gather.
 
         >>> gatherer.done(gatherer.layers[-1]); gatherer.prefetch_first()  # doctest: +SKIP
         """
-        if self._prefetched:
+        self._raise_if_failed()
+        if self._phase is Phase.PREFETCHED:
             return
-        if self._in_forward:
+        if self._phase is Phase.FORWARD and self._next_wait < self._n:
             raise RuntimeShardError(
                 f"prefetch_first() during a forward; call it after done({self.layers[-1]}) of the last layer"
             )
+        self._raise_if_misaligned()
         self._drain()
-        stream = None
-        if self._cuda:
-            stream = self.first_stream
-            self._forget_done_events_across_capture()
-        self._issue(0, stream)  # waits only for the previous reader of slot 0, not the whole last layer
-        self._prefetched = True
+        self._phase = Phase.PREFETCHED
+        self._start_forward(prefetch=True)
         self._prefetch_captured = self._cuda and torch.cuda.is_current_stream_capturing()
 
     def wait_first(self) -> dict[str, torch.Tensor]:
@@ -250,36 +348,178 @@ class LayerGatherer:
 
         >>> w = gatherer.wait_first()  # doctest: +SKIP
         """
-        if not (self._in_forward and self._next_wait == 0):
+        if not (self._phase is Phase.FORWARD and self._next_wait == 0):
             self.begin()
         return self.wait(self.layers[0])
+
+    def _start_forward(self, prefetch: bool) -> None:
+        self._forward += 1
+        self._next_issue, self._next_wait = 0, self._n if prefetch else 0
+        self._first_prefetched = prefetch
+        stream = None
+        if self._cuda:
+            self._forget_done_events_across_capture()
+            stream = self.first_stream if prefetch else self.gather_stream
+        if self._tags is not None:
+            with torch.cuda.stream(self.gather_stream) if self._cuda else _NOT_TRACED:
+                if self._cuda and torch.cuda.is_current_stream_capturing():
+                    # Brings the gather stream into the capture before its first op (the count below).
+                    self._forked.record(torch.cuda.current_stream(self.device))
+                    self.gather_stream.wait_event(self._forked)
+                self._tag_forward.add_(1)  # after the previous forward's check, on the same stream
+            if prefetch and self._cuda:
+                self._counted.record(self.gather_stream)
+                # Orders the first gather's tag after this count (and the previous forward's check).
+                self.first_stream.wait_event(self._counted)
+        self._issue(0, stream)
+        if prefetch and self._cuda:
+            self._first_gathered.record(self.first_stream)
+
+    # -- alignment tags ---------------------------------------------------------------------------
+    def _allocate_tags(self, n: int, world_size: int) -> list[Tags]:
+        """Tag buffers (before connect(): nccl-symm registers its pool there) and the per-forward check's."""
+        raw = self.backend.allocate_slot(4 * (2 * n + 2 * n * world_size)).view(torch.int32)
+        sent = raw[:2 * n].view(n, 2)  # per position: (position, forward count), what this rank sends
+        received = raw[2 * n:].view(n, 2 * world_size)  # per position: every rank's (position, forward count)
+        sent.copy_(torch.stack([torch.arange(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)], 1))
+        received.zero_()
+        self._tag_sent, self._tag_received = sent, received
+        self._tag_forward = sent[:, 1]
+        self._tag_expected = sent.view(n, 1, 2)
+        self._tag_got = received.view(n, world_size, 2)
+        self._tag_diff = torch.empty(n, world_size, 2, dtype=torch.bool, device=raw.device)
+        self._tag_any = torch.zeros((), dtype=torch.bool, device=raw.device)
+        self._tag_bad = torch.zeros((), dtype=torch.bool, device=raw.device)
+        # The host's copy of the sticky flag; pinned, so the device writes it without the host waiting.
+        self._tag_bad_host = (torch.zeros((), dtype=torch.bool, pin_memory=True) if raw.device.type == "cuda"
+                              else self._tag_bad)
+        return [Tags(sent[i], received[i]) for i in range(n)]
+
+    _tags: list[Tags] | None = None
+
+    def _check_tags(self, issued: int) -> None:
+        """Compare the tags of this forward's first `issued` gathers (all complete, or queued before
+        on the gather stream) with this rank's own, and fold a difference into the sticky flag."""
+        if self._tags is None or issued == 0:
+            return
+        with torch.cuda.stream(self.gather_stream) if self._cuda else _NOT_TRACED:
+            if self._cuda and self._first_prefetched:
+                # The tags of a prefetched first gather are written on the first stream: wait for them.
+                self.gather_stream.wait_event(self._first_gathered)
+            torch.ne(self._tag_got[:issued], self._tag_expected[:issued], out=self._tag_diff[:issued])
+            torch.any(self._tag_diff[:issued], out=self._tag_any)
+            torch.logical_or(self._tag_bad, self._tag_any, out=self._tag_bad)
+            if self._cuda:
+                self._tag_bad_host.copy_(self._tag_bad, non_blocking=True)
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            # A capture must end with every stream it forked joined back: the compute stream waits for the check.
+            self._checked.record(self.gather_stream)
+            torch.cuda.current_stream(self.device).wait_event(self._checked)
+
+    def check_alignment(self) -> None:
+        """Raise if a forward that has run on the device found the ranks' gathers misaligned.
+
+        begin() calls it. Call it yourself between replays of a CUDA graph that contains the forward
+        (begin() then runs only at capture): it reads a pinned host flag and never synchronises.
+
+        >>> graph.replay(); gatherer.check_alignment()  # doctest: +SKIP
+        """
+        self._raise_if_failed()
+        self._raise_if_misaligned()
+
+    def _raise_if_misaligned(self) -> None:
+        # The host copy lags the device by the forwards still queued: a slip is reported once the forward
+        # that showed it has run, at the first begin() after that.
+        if self._tags is not None and bool(self._tag_bad_host):
+            self._phase = Phase.FAILED
+            self._failure = self._describe_misalignment()
+            raise RuntimeShardError(self._failure)
+
+    def _raise_if_failed(self) -> None:
+        if self._phase is Phase.FAILED:
+            raise RuntimeShardError(self._failure)
+
+    def _describe_misalignment(self) -> str:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        got, mine = self._tag_got.cpu().tolist(), self._tag_sent.cpu().tolist()
+        rank = dist.get_rank(self.group)
+        detail = "their tags were overwritten since"
+        for (position, forward), row in zip(mine, got):
+            bad = [(p, tuple(t)) for p, t in enumerate(row) if tuple(t) != (position, forward)]
+            if bad:
+                p, (peer_position, peer_forward) = bad[0]
+                peer_layer = self.layers[peer_position] if 0 <= peer_position < self._n else peer_position
+                detail = (f"rank {rank}'s gather of layer {self.layers[position]} (forward {forward}) was paired "
+                          f"with rank {p}'s gather of layer {peer_layer} (forward {peer_forward})")
+                break
+        return (f"the ranks' gathers are misaligned, so some gathered weights were wrong: {detail}. A rank "
+                "abandoned, skipped or added a forward; every rank must call begin()/wait()/idle_step() for the "
+                "same forwards. This gatherer cannot continue: rebuild it on every rank")
 
     # -- sizes and helpers -------------------------------------------------------------------------
     @property
     def slot_bytes(self) -> int:
-        """Device bytes of all gather slots: num_slots · max|T|."""
-        return sum(slot.numel() for slot in self._slots)
+        """Device bytes of all gather slots: num_slots·max|T|, or num_slots·(N−1)/N·max|T| with zero copy."""
+        return sum(slot.memory.numel() for slot in self._slots)
 
     @property
     def backend_name(self) -> str:
         return self.backend.name
 
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    def _map_own_chunks(self, requested: bool | None, rank: int) -> zc.ZeroCopyMemory | None:
+        """Zero-copy memory with the shards moved into it, if it works here (else None, said in one
+        log line); sets zero_copy and zero_copy_reason. Collective on CUDA: the ranks agree."""
+        from . import vmm
+
+        manifest, shards = self.shards.manifest, self.shards
+        reason = self.backend.zero_copy_unavailable()
+        if reason is None:
+            reason = zc.layout_reason(manifest, vmm.granularity(self.device))
+        mem = None
+        if requested is not False and reason is None:
+            try:
+                built = zc.build(manifest, rank, self.device, self.num_slots, self.backend.shares_local)
+                shards.rehome(lambda nbytes: built.shard_buffer)  # one copy, at startup
+                mem = built
+                reason = zc.own_chunks_alias(mem, manifest, rank, shards.buffer)
+            except vmm.VmmError as exc:
+                reason = str(exc)
+            if reason is not None:
+                mem = None
+        if self.device.type == "cuda":
+            # Every rank takes the same path: with ce, peers read what connect() shares.
+            if not all_ranks_agree(mem is not None, self.group, collective_device(self.group, self.device)):
+                mem, reason = None, reason or "it could not be set up on another rank"
+        decision = zc.decide(requested, None if mem is not None else reason)  # raises if required but impossible
+        self.zero_copy, self.zero_copy_reason = decision.use, decision.reason
+        if not decision.use:
+            log.info("shardprep: own-chunk zero copy off (%s); gathers copy the local chunk", decision.reason)
+        return mem
+
     def _forget_done_events_across_capture(self) -> None:
         # A captured graph cannot wait on events recorded before its capture began, and eager work
-        # cannot rely on events recorded only inside a capture: across that boundary, wait for everything.
+        # cannot rely on events recorded only inside a capture: across that boundary, a slot's last
+        # reader or writer is waited for through the compute stream instead (state READ).
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing or self._last_captured:
-            self._slot_done = [False] * self.num_slots
+            for slot in self._slots:
+                if slot.state in (SlotState.RELEASED, SlotState.GATHERING):
+                    slot.state = SlotState.READ
         self._last_captured = capturing
 
     def _drain(self) -> None:
         # CPU gathers still in flight (from an abandoned forward) complete before new ones are issued.
-        for s, work in enumerate(self._works):
-            if work is not None:
-                self._works[s] = None
-                self._wait_work(work, None)
+        for slot in self._slots:
+            if slot.work is not None:
+                self._wait_work(slot, None)
 
-    def _wait_work(self, work, layer: int | None) -> None:
+    def _wait_work(self, slot: Slot, layer: int | None) -> None:
+        work, slot.work = slot.work, None
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
@@ -290,9 +530,11 @@ class LayerGatherer:
             ) from None
 
     def _out_of_order(self, layer: int) -> str:
+        if self._phase is Phase.FAILED:
+            return self._failure
         if layer not in self._position:
             return f"layer {layer} is not gathered (the manifest's layers are {list(self.layers)})"
-        if self._next_wait >= self._n:
+        if self._phase is not Phase.FORWARD or self._next_wait >= self._n:
             return f"wait({layer}) outside a forward; call begin() first"
         return (f"wait({layer}) while layer {self.layers[self._next_wait]} is next; layers must be waited "
                 "on once per forward in manifest order, because every rank gathers them in that order")

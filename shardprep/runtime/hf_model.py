@@ -30,7 +30,6 @@ def is_causal_lm(directory: str | Path) -> bool:
     """True when DIR's config.json names a causal-LM architecture (`...ForCausalLM`, `...LMHeadModel`).
 
     >>> is_causal_lm("out/")  # doctest: +SKIP
-    True
     """
     return any(a.endswith(CAUSAL_LM_SUFFIXES) for a in _read_config(Path(directory)).get("architectures") or ())
 
@@ -44,11 +43,13 @@ def build_model(
     backend: str = "auto",
     shards: RankShards | None = None,
     gatherer: LayerGatherer | None = None,
+    trust_remote_code: bool = False,
 ) -> Binding:
     """The transformers model of DIR on `device`, its targets bound to this rank's shards.
 
     AutoModelForCausalLM for causal LMs, AutoModel otherwise, in the checkpoint's dtype. `rank`
-    defaults to this process's rank in `group` (0 without torch.distributed).
+    defaults to this process's rank in `group` (0 without torch.distributed). `trust_remote_code` lets
+    transformers run the model code shipped in DIR (config.json's `auto_map`), as in `from_pretrained`.
 
     >>> binding = build_model("out/", f"cuda:{local_rank}")  # doctest: +SKIP
     >>> binding.model.generate(input_ids, max_new_tokens=8, do_sample=False)  # doctest: +SKIP
@@ -73,7 +74,7 @@ def build_model(
     # bound targets are placeholders already on `device`, which `.to()` leaves as they are.
     state_dict = dict(shards.load_replicated("cpu"))
     state_dict.update(_target_placeholders(shards))
-    model = _from_state_dict(directory, config_dict, state_dict)
+    model = _from_state_dict(directory, config_dict, state_dict, trust_remote_code)
     binding = bind(model, shards, gatherer)
     model.to(device)
     return binding
@@ -97,15 +98,24 @@ def _target_placeholders(shards: RankShards) -> dict[str, torch.Tensor]:
             for record in shards.manifest.layers for e in record.entries}
 
 
-def _from_state_dict(directory: Path, config_dict: dict[str, Any],
-                     state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+def _from_state_dict(directory: Path, config_dict: dict[str, Any], state_dict: dict[str, torch.Tensor],
+                     trust_remote_code: bool = False) -> torch.nn.Module:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
-    config = transformers.AutoConfig.from_pretrained(directory)
-    mapping = MODEL_FOR_CAUSAL_LM_MAPPING if is_causal_lm(directory) else MODEL_MAPPING
+    config = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    causal = is_causal_lm(directory)
+    mapping = MODEL_FOR_CAUSAL_LM_MAPPING if causal else MODEL_MAPPING
+    auto_map = config_dict.get("auto_map") or {}
+    remote = auto_map.get("AutoModelForCausalLM" if causal else "AutoModel")
     try:
-        model_class = mapping[type(config)]
+        model_class: Any
+        if remote and trust_remote_code:
+            from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+            model_class = get_class_from_dynamic_module(remote, str(directory))
+        else:
+            model_class = mapping[type(config)]
     except KeyError:
         raise RuntimeShardError(
             f"{directory / 'config.json'}: transformers {transformers.__version__} has no "

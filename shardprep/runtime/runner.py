@@ -11,10 +11,7 @@ until every rank is done. Rank 0 returns the results (the CLI prints them) and s
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +26,10 @@ if TYPE_CHECKING:
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 DEFAULT_PROMPT = "hello world"
+DEVICES = ("auto", "cpu", "cuda")
+BACKEND_CHOICES = ("auto", "ce", "nccl", "nccl-symm", "gloo")
+"""`make_backend`'s names plus auto (tests/test_run.py checks they match runtime.backends.BACKENDS)."""
+CUDA_BACKENDS = ("ce", "nccl", "nccl-symm")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class RunOptions:
     backend: str = "auto"
     save_outputs: Path | None = None
     json: bool = False
+    trust_remote_code: bool = False
 
     def worker_argv(self) -> list[str]:
         """The `python -m shardprep.run` arguments that make a worker run these options."""
@@ -53,6 +55,8 @@ class RunOptions:
             argv += ["--save-outputs", str(self.save_outputs)]
         if self.json:
             argv.append("--json")
+        if self.trust_remote_code:
+            argv.append("--trust-remote-code")
         return argv
 
 
@@ -83,11 +87,23 @@ class RankInfo:
     slot_bytes: int
 
 
+@dataclass
+class RunReport:
+    """What rank 0 returns: every prompt's result, in prompt order, and every rank's memory."""
+
+    results: list[PromptResult]
+    ranks: list[RankInfo]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": "shardprep/run-report/1",
+                "prompts": [{k: v for k, v in asdict(r).items() if k != "output"} for r in self.results],
+                "ranks": [asdict(r) for r in self.ranks]}
+
+
 def check_run_dir(directory: str | Path, world_size: int | None = None) -> Manifest:
     """Check that DIR can be run with `world_size` ranks (manifest, config, tokenizer); returns the manifest.
 
     >>> check_run_dir("out/", world_size=2).world_size  # doctest: +SKIP
-    2
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -137,71 +153,70 @@ def run(options: RunOptions, nproc: int | None = None) -> RunReport | None:
     return None
 
 
-def launch(options: RunOptions, nproc: int | None = None) -> int:
-    """Start `nproc` local workers (`python -m shardprep.run`, torchrun's environment) and wait for them.
+def launch(options: RunOptions, nproc: int | None = None) -> None:
+    """Start `nproc` local workers with torch's elastic launcher (as torchrun does) and wait for them.
 
-    If one worker fails, the others are stopped (they would wait for it in a collective forever).
+    Each worker is `python -m shardprep.run ...`; if one fails, the launcher stops the others (they
+    would wait for it in a collective forever) and this raises naming the failed rank.
 
     >>> launch(RunOptions(Path("out/")), nproc=2)  # doctest: +SKIP
-    0
+    """
+    import logging
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    manifest = check_options(options, nproc)
+    n = manifest.world_size
+    # Like torchrun: N processes each using every core would oversubscribe the machine.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"shardprep-{uuid.uuid4().hex}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+                          start_method="spawn")
+    elastic = logging.getLogger("torch.distributed.elastic")
+    level = elastic.level
+    elastic.setLevel(logging.ERROR)  # the agent's INFO/WARNING chatter is not the user's output
+    try:
+        elastic_launch(config, sys.executable)("-m", "shardprep.run", *options.worker_argv())
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        raise RuntimeShardError(
+            f"rank {rank} exited with status {failure.exitcode} (its message is above); the others were stopped"
+        ) from None
+    finally:
+        elastic.setLevel(level)
+
+
+def check_options(options: RunOptions, nproc: int | None = None) -> Manifest:
+    """Everything that can be checked before starting processes; returns DIR's manifest.
+
+    >>> check_options(RunOptions(Path("out/"), device="cpu", backend="ce"))  # doctest: +SKIP
     """
     manifest = check_run_dir(options.directory, nproc)
-    n = manifest.world_size
-    port = _free_port()
-    env = dict(os.environ)
-    # Like torchrun: N processes each using every core would oversubscribe the machine.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    procs: list[subprocess.Popen] = []
-    try:
-        for rank in range(n):
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                       WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), GROUP_RANK="0")
-            procs.append(subprocess.Popen([sys.executable, "-m", "shardprep.run", *options.worker_argv()],
-                                          env=dict(env)))
-        failed = _wait_all(procs)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    if failed is not None:
-        rank, code = failed
-        raise RuntimeShardError(f"rank {rank} exited with status {code} (its message is above); stopped the others")
-    return 0
+    if options.device not in DEVICES:
+        raise RuntimeShardError(f"--device {options.device!r}: expected one of {', '.join(DEVICES)}")
+    if options.backend not in BACKEND_CHOICES:
+        raise RuntimeShardError(f"--backend {options.backend!r}: expected one of {', '.join(BACKEND_CHOICES)}")
+    if not options.prompts or any(not p.strip() for p in options.prompts):
+        raise RuntimeShardError("--prompt: prompts must not be empty")
+    device = options.device
+    if device != "cpu" and options.backend in CUDA_BACKENDS or device == "cuda":
+        import torch
 
-
-def _wait_all(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
-    while True:
-        codes = [p.poll() for p in procs]
-        for rank, code in enumerate(codes):
-            if code not in (None, 0):
-                return rank, code
-        if all(code == 0 for code in codes):
-            return None
-        time.sleep(0.05)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class RunReport:
-    """What rank 0 returns: every prompt's result, in prompt order, and every rank's memory."""
-
-    results: list[PromptResult]
-    ranks: list[RankInfo]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"schema": "shardprep/run-report/1",
-                "prompts": [{k: v for k, v in asdict(r).items() if k != "output"} for r in self.results],
-                "ranks": [asdict(r) for r in self.ranks]}
+        if not torch.cuda.is_available():
+            what = f"--backend {options.backend}" if options.backend in CUDA_BACKENDS else "--device cuda"
+            raise RuntimeShardError(f"{what} needs CUDA, but torch sees no CUDA device; use --device cpu "
+                                    "--backend gloo (or auto)")
+        if torch.cuda.device_count() < manifest.world_size:
+            raise RuntimeShardError(f"{options.directory} needs {manifest.world_size} ranks, one GPU each, but "
+                                    f"{torch.cuda.device_count()} GPUs are visible")
+    if device == "cpu" and options.backend in CUDA_BACKENDS:
+        raise RuntimeShardError(f"--backend {options.backend} needs --device cuda; on the CPU use gloo (or auto)")
+    if device == "cuda" and options.backend == "gloo":
+        raise RuntimeShardError("--backend gloo gathers CPU tensors; with --device cuda use auto, ce, nccl or "
+                                "nccl-symm")
+    return manifest
 
 
 def run_worker(options: RunOptions) -> RunReport | None:
@@ -220,8 +235,10 @@ def run_worker(options: RunOptions) -> RunReport | None:
     device = _device(options.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
-                            **({"device_id": device} if device.type == "cuda" else {}))
+    if device.type == "cuda":
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         results, info = _serve(options, device, rank, world_size)
         gathered: list[Any] = [None] * world_size if rank == 0 else []
@@ -265,8 +282,9 @@ def _serve(options: RunOptions, device: torch.device, rank: int,
 
     from .hf_model import build_model, is_causal_lm
 
-    tokenizer = _tokenizer(options.directory)
-    binding = build_model(options.directory, device, backend=options.backend)
+    tokenizer = _tokenizer(options.directory, options.trust_remote_code)
+    binding = build_model(options.directory, device, backend=options.backend,
+                          trust_remote_code=options.trust_remote_code)
     info = _rank_info(binding, rank)
     causal = is_causal_lm(options.directory)
     # Forwards per prompt are known in advance (generate() makes one per new token), so every rank
@@ -290,7 +308,7 @@ def _serve(options: RunOptions, device: torch.device, rank: int,
 
 def _serve_prompt(options: RunOptions, binding: Binding, tokenizer: Any, index: int, rank: int, causal: bool,
                   device: torch.device) -> PromptResult:
-    model = binding.model
+    model: Any = binding.model  # a transformers PreTrainedModel (generate() is not on nn.Module)
     prompt = options.prompts[index]
     encoded = tokenizer(prompt, return_tensors="pt")
     if causal:  # causal LMs take no token_type_ids
@@ -299,7 +317,7 @@ def _serve_prompt(options: RunOptions, binding: Binding, tokenizer: Any, index: 
     result = PromptResult(index, prompt, rank, inputs["input_ids"][0].tolist())
     if options.save_outputs or not causal:
         out = model(**inputs)
-        tensor = out.logits if causal else out.last_hidden_state
+        tensor: torch.Tensor = out.logits if causal else out.last_hidden_state
         result.output_shape = list(tensor.shape)
         if options.save_outputs:
             result.output = tensor.detach().cpu()
@@ -310,11 +328,11 @@ def _serve_prompt(options: RunOptions, binding: Binding, tokenizer: Any, index: 
     return result
 
 
-def _tokenizer(directory: Path) -> Any:
+def _tokenizer(directory: Path, trust_remote_code: bool) -> Any:
     import transformers
 
     try:
-        return transformers.AutoTokenizer.from_pretrained(directory)
+        return transformers.AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise RuntimeShardError(f"{directory}: cannot load its tokenizer ({str(exc).splitlines()[0]})") from None
 

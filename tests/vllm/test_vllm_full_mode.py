@@ -7,7 +7,6 @@ the cost. The refusals fail while the model loads, before any KV cache or warm-u
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import shutil
@@ -22,14 +21,12 @@ pytestmark = pytest.mark.timeout(2400)
 
 from engine_runs import run_engines  # noqa: E402
 
-from shardprep.loader.rank_shards import RankShards  # noqa: E402
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
 
 PROMPTS = ["hello world", "the model shard weights", "a b c d e f", "gpu fast layer rank"]
 BASE = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 8, "dtype": "bfloat16", "seed": 0}
 SHARDPREP = {**BASE, "load_format": "shardprep"}
-REPLICATED_VERIFIED = "verify" in inspect.signature(RankShards.load_replicated).parameters
 
 
 def flip_byte(path: Path, at: int) -> None:
@@ -89,8 +86,7 @@ def engines(checkpoint_cache, tmp_path_factory):
         run("source tp2", src, tp=2, **BASE),
         run("shardprep tp2", out, tp=2, **SHARDPREP),
     ]
-    if REPLICATED_VERIFIED:
-        runs.append(run("flipped replicated byte", bad_replicated, **SHARDPREP))
+    runs.append(run("flipped replicated byte", bad_replicated, **SHARDPREP))
     results, _ = run_engines({"dp_size": 1, "runs": runs}, root)
     return {name: ranks[0] for name, ranks in results.items()}, manifest, out, replicated_file
 
@@ -127,7 +123,6 @@ def test_a_directory_that_is_not_a_convert_output_stops_the_engine(engines):
     assert error.startswith("ManifestError: ") and "shard_manifest.json: not found" in error
 
 
-@pytest.mark.skipif(not REPLICATED_VERIFIED, reason="replicated files are checksummed from format v2 on (issue 10)")
 def test_a_flipped_byte_in_a_replicated_file_stops_the_engine_naming_the_file(engines):
     results, _, _, replicated_file = engines
     error = results["flipped replicated byte"].get("error", "")

@@ -23,12 +23,12 @@ def output_weights(directory: str | Path, verify: bool = True) -> Iterator[tuple
     """(name, tensor) for every tensor of the source checkpoint, read from a convert output.
 
     The non-targets come from the output's safetensors files, the targets are rebuilt layer by layer
-    from all rank files (their chunk checksums checked when `verify`).
+    from all rank files (with `verify`, every file's and chunk's checksum is checked before it is used).
 
     >>> model.load_weights(output_weights("out/"))  # doctest: +SKIP
     """
     manifest = load_manifest(directory)
-    yield from _replicated(Path(directory), manifest).items()
+    yield from _replicated(Path(directory), manifest, verify).items()
     yield from iter_full_targets(directory, verify=verify, manifest=manifest)
 
 
@@ -60,8 +60,8 @@ def check_all_loaded(model: nn.Module, loaded: Iterable[str] | None, directory: 
                              "output; was it converted from this model?")
 
 
-def _replicated(directory: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
+def _replicated(directory: Path, manifest: Manifest, verify: bool) -> dict[str, torch.Tensor]:
     # Full mode maps no rank file into memory, and load_replicated reads only the directory's
     # safetensors files: a RankShards over a meta buffer (no storage) is all it needs.
     unloaded = torch.empty(manifest.rank_file_bytes, dtype=torch.uint8, device="meta")
-    return RankShards(manifest, 0, unloaded, directory).load_replicated("cpu")
+    return RankShards(manifest, 0, unloaded, directory).load_replicated("cpu", verify=verify)

@@ -82,7 +82,7 @@ def load_sharded(
     for module in model.modules():
         if any(id(p) in bound for p in module.parameters(recurse=False)):
             keep_plain_linear(module)
-    loaded = model.load_weights(shards.load_replicated(layout.device).items())  # type: ignore[operator]
+    loaded = model.load_weights(shards.load_replicated(layout.device, verify=verify).items())  # type: ignore[operator]
     check_all_loaded(model, loaded, directory, also=_names_of(model, bound))
     return binding
 

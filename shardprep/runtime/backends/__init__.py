@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import RuntimeShardError
-from .base import GatherBackend, GatherOp, all_ranks_agree, collective_device, log, probe
+from .base import GatherBackend, GatherOp, all_ranks_agree, collective_device, group_and_rank, log, probe
 
 BACKENDS = ("gloo", "nccl", "ce", "nccl-symm")
 """Backend names `make_backend` accepts, besides "auto"."""
@@ -27,10 +27,9 @@ def make_backend(name: str, group: dist.ProcessGroup | None, device: str | torch
 
     >>> backend = make_backend("auto", None, torch.device("cuda", rank))  # doctest: +SKIP
     >>> backend.name  # doctest: +SKIP
-    'ce'
     """
     device = torch.device(device)
-    group = group if group is not None else dist.group.WORLD
+    group, _, _ = group_and_rank(group)
     if name == "auto":
         return _choose(group, device)
     backend = _construct(name, group, device)
@@ -64,16 +63,18 @@ def _choose(group: dist.ProcessGroup, device: torch.device) -> GatherBackend:
     tried = []
     on = collective_device(group, device)
     for name in AUTO_ORDER.get(device.type, ()):
-        backend, reason = None, None
+        backend: GatherBackend | None = None
+        reason: str | None = None
         try:
             backend = _construct(name, group, device)
         except Exception as exc:  # agreed on below, so that no rank probes a backend another could not build
             reason = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-        if not all_ranks_agree(backend is not None, group, on):
+        agreed = all_ranks_agree(backend is not None, group, on)
+        if backend is None or not agreed:
             reason = reason or "it could not be built on another rank"
         else:
             reason = probe(backend, group)
-        if reason is None:
+        if reason is None and backend is not None:
             log.info("shardprep: gather backend %s (auto, %d ranks)", name, dist.get_world_size(group))
             return backend
         log.info("shardprep: gather backend %s unavailable: %s", name, reason)

@@ -1,14 +1,25 @@
 """What a gather backend is: the interface the gatherer calls, plain memory, and the startup probe.
 
 A backend knows nothing about layers. It is given a local chunk (a view of this rank's shard
-buffer) and an output view (part of a slot) and returns an op that gathers every rank's chunk, in
-rank order, into the output. The gatherer decides when, on which stream, and into which slot.
+buffer) and an output view (part of a slot, or a zero-copy view whose own part already is the
+chunk) and returns an op that gathers every rank's chunk, in rank order, into the output. The
+gatherer decides when, on which stream, and into which slot.
+
+Two properties the gatherer asks about:
+
+- `matched_by_position`: a collective (gloo, nccl, nccl-symm) pairs this rank's k-th gather with
+  each peer's k-th gather, whatever layer each meant, so a rank whose schedule slipped receives
+  another layer's bytes. The gatherer then sends a tag (layer position, forward count) with every
+  chunk and checks it. A one-sided backend (ce) reads each peer's chunk of the layer it asked for
+  from the peer's shard buffer, which never changes after loading: it cannot receive wrong bytes.
+- `zero_copy_unavailable()`: why its views cannot map the own chunk (None: they can).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -27,11 +38,21 @@ it. On CPU (stream is None) the op returns a Work whose `wait(timeout)` returns 
 """
 
 
+@dataclass(frozen=True)
+class Tags:
+    """A few int32 sent with a chunk (`send`, k values) and every rank's, in rank order (`recv`, N·k)."""
+
+    send: torch.Tensor
+    recv: torch.Tensor
+
+
 class GatherBackend(Protocol):
     """The interface between the gatherer and one way of moving bytes between ranks."""
 
     name: str
     device: torch.device
+    matched_by_position: bool
+    shares_local: bool  # peers read this rank's shard buffer directly (one-sided): zero copy exports it
 
     def allocate_local(self, nbytes: int) -> torch.Tensor:
         """Memory for this rank's shard buffer (the chunks peers read), 1-D uint8."""
@@ -42,11 +63,25 @@ class GatherBackend(Protocol):
     def owns(self, tensor: torch.Tensor) -> bool:
         """True if `tensor` came from `allocate_local` (or needs no special memory)."""
 
-    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
-        """One-time collective setup once every buffer exists (register windows, exchange handles)."""
+    def zero_copy_unavailable(self) -> str | None:
+        """Why gather views cannot map the own chunk from the shard buffer with this backend, or None."""
 
-    def plan(self, chunk: torch.Tensor, out: torch.Tensor) -> GatherOp:
-        """Precompute the op that gathers every rank's `chunk` into `out` (world_size × chunk bytes)."""
+    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor],
+                local_pieces: Sequence[tuple[int, int]] | None = None) -> None:
+        """One-time collective setup once every buffer exists (register windows, exchange handles).
+
+        `local_pieces`: the shard buffer is a zero-copy one, made of separate shareable allocations
+        at these (offset, bytes); a backend that shares it with peers shares those.
+        """
+
+    def plan(self, chunk: torch.Tensor, out: torch.Tensor, *, in_place: bool = False,
+             tags: Tags | None = None) -> GatherOp:
+        """Precompute the op that gathers every rank's `chunk` into `out` (world_size × chunk bytes).
+
+        `in_place`: `out`'s own part (bytes [rank·C, (rank+1)·C)) already is this rank's chunk (the
+        same memory), so only the peers' parts are written. `tags` (collective backends only) are
+        gathered in the same collective call.
+        """
 
 
 class PlainMemory:
@@ -63,7 +98,13 @@ class PlainMemory:
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device
 
-    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
+    shares_local = False
+
+    def zero_copy_unavailable(self) -> str | None:
+        return f"the {getattr(self, 'name', 'this')} backend gathers into ordinary memory"
+
+    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor],
+                local_pieces: Sequence[tuple[int, int]] | None = None) -> None:
         pass
 
 
@@ -72,9 +113,10 @@ def group_and_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, 
 
     >>> group, rank, world_size = group_and_rank(None)  # doctest: +SKIP
     """
-    if not dist.is_initialized():
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if world is None:
         raise RuntimeShardError("torch.distributed is not initialized; call dist.init_process_group() first")
-    group = group if group is not None else dist.group.WORLD
+    group = group if group is not None else world
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -82,7 +124,6 @@ def all_ranks_agree(ok: bool, group: dist.ProcessGroup, device: torch.device) ->
     """True when `ok` holds on every rank of `group` (a MIN all-reduce), so ranks never part ways.
 
     >>> all_ranks_agree(built_here, group, torch.device("cpu"))  # doctest: +SKIP
-    False
     """
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
@@ -137,7 +178,6 @@ def collective_device(group: dist.ProcessGroup, device: torch.device) -> torch.d
     """Where a small control tensor for `group` must live: CUDA for a NCCL group, else the CPU.
 
     >>> collective_device(nccl_group, torch.device("cuda", 0))  # doctest: +SKIP
-    device(type='cuda', index=0)
     """
     return device if device.type == "cuda" and "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
 

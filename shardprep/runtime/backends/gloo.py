@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from .base import GatherOp, PlainMemory, group_and_rank
-from .collective import all_gather_into
+from .base import GatherOp, PlainMemory, Tags, group_and_rank
+from .collective import all_gather_tagged
 
 
 class GlooBackend(PlainMemory):
@@ -16,15 +18,22 @@ class GlooBackend(PlainMemory):
     """
 
     name = "gloo"
+    matched_by_position = True
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
         self.group, self.rank, self.world_size = group_and_rank(group)
         self.device = torch.device(device)
 
-    def plan(self, chunk: torch.Tensor, out: torch.Tensor) -> GatherOp:
-        group = self.group
+    def zero_copy_unavailable(self) -> str | None:
+        return "gloo gathers CPU memory, which has no CUDA mappings"
 
-        def gather(stream: None = None):
-            return all_gather_into(out, chunk, group, async_op=True)
+    def plan(self, chunk: torch.Tensor, out: torch.Tensor, *, in_place: bool = False,
+             tags: Tags | None = None) -> GatherOp:
+        group = self.group
+        c = chunk.numel()
+        send = out[self.rank * c:(self.rank + 1) * c] if in_place else chunk
+
+        def gather(stream: torch.cuda.Stream | None = None) -> Any:
+            return all_gather_tagged(out, send, tags, group, coalesce=False, async_op=True)
 
         return gather

@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,6 @@ class NcclSymmBackend(NcclBackend):
 
     >>> backend = NcclSymmBackend(None, torch.device("cuda", rank))  # doctest: +SKIP
     >>> backend.symmetric, backend.cta_policy  # doctest: +SKIP
-    (True, None)
     """
 
     name = "nccl-symm"
@@ -55,7 +55,7 @@ class NcclSymmBackend(NcclBackend):
 
     def _open(self, cta_policy: int | None) -> None:
         ranks = dist.get_process_group_ranks(self.parent)
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if "device_id" in inspect.signature(dist.new_group).parameters:
             kwargs["device_id"] = self.device
         if self.parent is not dist.group.WORLD:
@@ -75,7 +75,7 @@ class NcclSymmBackend(NcclBackend):
                     os.environ.pop("NCCL_CTA_POLICY", None)
                 else:
                     os.environ["NCCL_CTA_POLICY"] = saved
-        self._impl = self.group._get_backend(self.device)
+        self._impl: Any = self.group._get_backend(self.device)
         self._pool = torch.cuda.MemPool(self._impl.mem_allocator)
         self._registered = False
         self._owned.clear()
@@ -93,7 +93,11 @@ class NcclSymmBackend(NcclBackend):
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.data_ptr() in self._owned
 
-    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor]) -> None:
+    def zero_copy_unavailable(self) -> str | None:
+        return "nccl-symm gathers into NCCL symmetric windows from its own pool, which views cannot remap"
+
+    def connect(self, local: torch.Tensor, slots: Sequence[torch.Tensor],
+                local_pieces: Sequence[tuple[int, int]] | None = None) -> None:
         if not self.owns(local):
             raise RuntimeShardError("the nccl-symm backend can only gather from a buffer it allocated (allocate_local)")
         torch.cuda.synchronize(self.device)

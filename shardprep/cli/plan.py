@@ -1,0 +1,129 @@
+"""`shardprep plan SRC_OR_OUT --ranks N`: does sharding pay, and which layers should `convert --layers` shard?"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ._errors import cli_errors
+from ._format import capacity_rows, human_bytes, parse_fraction, parse_size, parse_token_counts, print_json
+from .run import Backend
+
+if TYPE_CHECKING:
+    from ..prep.payoff import PlanReport
+
+
+def plan_command(
+    source: Annotated[str, typer.Argument(
+        metavar="SRC_OR_OUT", help="A HF checkpoint (local or hub id) or an output directory of `shardprep convert`.")],
+    ranks: Annotated[int, typer.Option("--ranks", "-n", metavar="N", help="Ranks N to shard across.")],
+    preset: Annotated[str | None, typer.Option(
+        metavar="NAME|FILE", help="Built-in preset or preset JSON file (SRC only).")] = None,
+    target: Annotated[list[str] | None, typer.Option(
+        "--target", "-t", metavar="GLOB", help="fnmatch glob over tensor names; repeatable (SRC only).")] = None,
+    layers: Annotated[str, typer.Option(
+        metavar="LAYERS", help="Candidate layers (convert --layers syntax); the plan picks among them.")] = "all",
+    layer_pattern: Annotated[str | None, typer.Option(
+        metavar="REGEX", help="Regex with one group capturing the layer index.")] = None,
+    revision: Annotated[str | None, typer.Option(metavar="REV", help="Hub revision (SRC only).")] = None,
+    profile: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="A `shardprep profile` JSON of the target machine: compute, gathers, interference.")]
+    = None,
+    link_gbps: Annotated[float | None, typer.Option(
+        metavar="GBPS", help="Gather bandwidth received per rank, GB/s, instead of the profile's (alone it gives "
+                             "only the gather side).")] = None,
+    backend: Annotated[Backend | None, typer.Option(
+        help="Which profiled backend to plan for (default: the first profiled).")] = None,
+    tokens: Annotated[str | None, typer.Option(
+        metavar="T,T,...", help="Token counts per step to hold the overhead at (default: all the profile has).")]
+    = None,
+    max_overhead: Annotated[str, typer.Option(
+        metavar="PCT", help="Largest predicted step-time overhead allowed, e.g. 5% or 0.05.")] = "5%",
+    budget_gb: Annotated[float | None, typer.Option(
+        metavar="GB", help="Instead: free at least this many GB (10^9 B) per rank at the least overhead.")] = None,
+    hbm_gb: Annotated[float, typer.Option(metavar="GB", help="HBM per GPU in GB (10^9 bytes); 141 = H200.")] = 141.0,
+    context_len: Annotated[int, typer.Option(min=1, metavar="TOKENS", help="Context length of one request.")]
+    = 8192,
+    kv_dtype: Annotated[str, typer.Option(
+        metavar="DTYPE", help="KV-cache dtype: auto (the model's), bf16, fp16, fp8, fp32.")] = "auto",
+    num_slots: Annotated[int, typer.Option(min=1, metavar="N", help="Gather slots the runtime keeps.")] = 2,
+    chunk_alignment: Annotated[str | None, typer.Option(
+        metavar="SIZE", help="Chunk alignment convert will use, e.g. 2MiB (SRC; OUT has its own).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (schema shardprep/plan/1).")]
+    = False,
+) -> None:
+    """Per rank: memory saved, the KV-cache tokens and requests it buys, the startup peak; per layer: gather
+    against compute; the layers to shard and the `convert --layers` argument; a one-line verdict."""
+    from ..prep.payoff import PlanRequest, plan_sharding
+
+    with cli_errors():
+        request = PlanRequest(
+            source=source, ranks=ranks, targets=tuple(target or ()), preset=preset, layers=layers,
+            layer_pattern=layer_pattern, revision=revision, profile=profile, link_gbps=link_gbps,
+            backend=backend.value if backend else None,
+            tokens=parse_token_counts(tokens) if tokens else None, hbm_bytes=int(hbm_gb * 10**9),
+            context_len=context_len, max_overhead=parse_fraction(max_overhead, "--max-overhead"),
+            budget_bytes=None if budget_gb is None else int(budget_gb * 10**9), kv_dtype=kv_dtype,
+            num_slots=num_slots,
+            chunk_alignment=parse_size(chunk_alignment, "--chunk-alignment") if chunk_alignment else None,
+        )
+        report = plan_sharding(request)
+    if json_out:
+        print_json(report.to_dict())
+    else:
+        print_plan(report, request.preset, request.targets)
+
+
+def print_plan(report: PlanReport, preset: str | None, targets: tuple[str, ...]) -> None:
+    """Tables: per layer, predicted steps, per rank; then the convert argument, notes and the verdict."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    shown = report.chosen or report.every_layer
+    picked = set(report.chosen.layers) if report.chosen else set()
+    console.print(f"{report.source} ({report.kind}), N = {report.ranks}, {report.model_layers} layers, "
+                  f"{len(report.candidates)} with targets")
+    console.print(f"slots: {report.slot_model}")
+    if report.gather_source:
+        console.print(f"gathers: {report.gather_source}")
+    layers = Table(title="per layer: |T|, its gather alone, its compute (replicated weights), ms")
+    for col in ("layer", "|T|", "C = |T|/N", "gather", *(f"{t} tok" for t in report.tokens), "shard"):
+        layers.add_column(col, justify="right")
+    for r in report.rows:
+        layers.add_row(str(r.layer), human_bytes(r.total_bytes) if r.total_bytes else "",
+                       human_bytes(r.chunk_bytes) if r.chunk_bytes else "",
+                       f"{r.gather_ms:.3f}" if r.gather_ms is not None else "",
+                       *(f"{ms:.3f}" for ms in r.compute_ms), "✓" if r.layer in picked else "")
+    console.print(layers)
+    choices = [("every candidate", report.every_layer)]
+    if report.chosen is not None and report.chosen.layers != report.every_layer.layers:
+        choices.append(("chosen", report.chosen))
+    if report.every_layer.predictions:
+        steps = Table(title="predicted step (ms) against replicated; floor = the longest of replicated, compute "
+                            "with interference, gathers + the layers after the last one")
+        for col in ("layers", "tokens", "replicated", "sharded", "overhead", "floor", "floor set by"):
+            steps.add_column(col, justify="right")
+        for name, choice in choices:
+            for t, p in zip(report.tokens, choice.predictions):
+                steps.add_row(f"{name} ({len(choice.layers)})", str(t), f"{p.replicated_ms:.3f}",
+                              f"{p.step_ms:.3f}", f"{p.overhead:+.1%}", f"{p.floor.ms:.3f}", p.floor.term)
+        console.print(steps)
+    memory = Table(show_header=False, title=f"per rank, sharding {len(shown.layers)} layers")
+    memory.add_column(justify="left")
+    memory.add_column(justify="right")
+    for label, value in capacity_rows(shown.memory.to_dict(), report.capacity.to_dict(),
+                                      report.kv.to_dict() if report.kv else None):
+        memory.add_row(label, value)
+    console.print(memory)
+    if report.convert_layers:
+        selection = (f" --preset {preset}" if preset else "") + "".join(f" --target '{t}'" for t in targets)
+        src = report.source if report.kind == "checkpoint" else "SRC"
+        console.print(f"convert argument: --layers {report.convert_layers}\n"
+                      f"  shardprep convert {src} OUT --ranks {report.ranks}{selection} "
+                      f"--layers {report.convert_layers}")
+    for note in report.notes:
+        console.print(f"note: {note}")
+    console.print(report.verdict_line, soft_wrap=True)

@@ -1,0 +1,33 @@
+"""`shardprep presets`: the shipped presets, their descriptions and globs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ._errors import cli_errors
+from ._format import print_json
+
+SCHEMA = "shardprep/presets/1"
+
+
+def presets_command(
+    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+) -> None:
+    """List the built-in presets (for `convert --preset NAME`) with their target globs and fused views."""
+    from ..prep.selection import builtin_presets, load_preset
+
+    with cli_errors():
+        presets = [load_preset(name) for name in builtin_presets()]
+    if json_out:
+        print_json({"schema": SCHEMA, "presets": [
+            {"name": p.name, "description": p.description, "targets": list(p.targets),
+             "fused": [{"name": f.name, "members": list(f.members)} for f in p.fused]} for p in presets]})
+        return
+    for p in presets:
+        typer.echo(f"{p.name}: {p.description}")
+        for glob in p.targets:
+            typer.echo(f"    {glob}")
+        for f in p.fused:
+            typer.echo(f"    fused {f.name} = {' + '.join(f.members)}")

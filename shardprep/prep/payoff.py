@@ -1,0 +1,369 @@
+"""`shardprep plan`: does sharding pay for this model, and which layers should be sharded?
+
+From a checkpoint (SRC: the convert plan says what each layer's |T| would be; nothing is written) or a
+converted directory (OUT: its manifest), plus its config.json, and optionally a profile of the target
+machine (`shardprep profile`) or only a link bandwidth:
+
+- per rank: memory saved, the KV-cache tokens and requests it buys, the startup peak;
+- per layer: |T|, its gather time, and its compute time at each token count;
+- the layers to shard (`layer_choice.choose_layers` over the step-time model) and the
+  `convert --layers` argument that shards them;
+- a one-line verdict.
+
+No torch: the measuring is `shardprep profile`'s job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from ..errors import ProfileError, ShardprepError
+from ..manifests.accounting import (
+    MemoryAccount,
+    account_layers,
+    human_bytes,
+    manifest_chunk_alignment,
+    zero_copy_applies,
+)
+from ..manifests.capacity import Capacity, capacity
+from ..manifests.kv_cache import KvCacheShape, kv_cache_shape
+from ..manifests.layout import ENTRY_ALIGNMENT, FusedGroup, TensorSpec, align_up, plan_layer
+from ..manifests.manifest import MANIFEST_NAME, load_manifest
+from ..manifests.profile_format import Profile, load_profile
+from ..manifests.step_time import StepPrediction, predict_step
+from .layer_choice import LayerChoice, Predict, choose_layers, evaluate, least_overhead
+from .selection import DEFAULT_LAYER_PATTERN, Selection, format_layers, load_preset, parse_layers
+
+PLAN_SCHEMA = "shardprep/plan/1"
+GB = 10**9
+
+
+class Verdict(str, Enum):
+    PAYS = "pays"
+    PAYS_FROM = "pays only from"
+    DOES_NOT_PAY = "does not pay"
+    MEMORY_ONLY = "memory only"  # no compute time known: the step cost cannot be predicted
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What `shardprep plan` was asked. `layers` limits the candidate layers (default: every layer with
+    targets; for OUT, its sharded layers). Sizes are bytes; `max_overhead` a fraction (0.05 = 5%)."""
+
+    source: str
+    ranks: int
+    targets: tuple[str, ...] = ()
+    preset: str | None = None
+    layers: str = "all"
+    layer_pattern: str | None = None
+    revision: str | None = None
+    profile: Path | None = None
+    link_gbps: float | None = None
+    backend: str | None = None
+    tokens: tuple[int, ...] | None = None
+    hbm_bytes: int | None = 141 * GB
+    context_len: int = 8192
+    max_overhead: float = 0.05
+    budget_bytes: int | None = None
+    kv_dtype: str = "auto"
+    num_slots: int = 2
+    chunk_alignment: int | None = None
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One model layer: its |T| and chunk if it is a candidate, its gather and compute times if known."""
+
+    layer: int
+    total_bytes: int | None
+    chunk_bytes: int | None
+    gather_ms: float | None
+    compute_ms: tuple[float, ...]
+
+
+@dataclass
+class PlanReport:
+    """Everything `shardprep plan` prints; `to_dict()` is its JSON (schema shardprep/plan/1)."""
+
+    source: str
+    kind: str  # "checkpoint" or "converted"
+    ranks: int
+    model_layers: int
+    candidates: tuple[int, ...]
+    tokens: tuple[int, ...]
+    rows: list[LayerRow]
+    slot_model: str
+    every_layer: LayerChoice
+    chosen: LayerChoice | None
+    capacity: Capacity
+    verdict: Verdict
+    verdict_line: str
+    kv: KvCacheShape | None = None
+    pays_from_tokens: int | None = None
+    convert_layers: str | None = None
+    gather_source: str = ""
+    backend: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        def choice(c: LayerChoice | None) -> dict[str, Any] | None:
+            if c is None:
+                return None
+            return {"layers": list(c.layers), "memory": c.memory.to_dict(), "worst_overhead": c.worst_overhead,
+                    "predictions": [_prediction(t, p) for t, p in zip(self.tokens, c.predictions)]}
+
+        return {
+            "schema": PLAN_SCHEMA,
+            "source": self.source,
+            "kind": self.kind,
+            "ranks": self.ranks,
+            "model_layers": self.model_layers,
+            "candidates": list(self.candidates),
+            "tokens": list(self.tokens),
+            "slot_model": self.slot_model,
+            "gather_source": self.gather_source,
+            "backend": self.backend,
+            "kv_cache": self.kv.to_dict() if self.kv else None,
+            "layers": [{"layer": r.layer, "total_bytes": r.total_bytes, "chunk_bytes": r.chunk_bytes,
+                        "gather_ms": r.gather_ms, "compute_ms": list(r.compute_ms)} for r in self.rows],
+            "every_layer": choice(self.every_layer),
+            "chosen": choice(self.chosen),
+            "capacity": self.capacity.to_dict(),
+            "pays_from_tokens": self.pays_from_tokens,
+            "convert_layers": self.convert_layers,
+            "verdict": self.verdict.value,
+            "verdict_line": self.verdict_line,
+            "notes": list(self.notes),
+        }
+
+
+def _prediction(tokens: int, p: StepPrediction) -> dict[str, Any]:
+    return {"tokens": tokens, "step_ms": p.step_ms, "replicated_ms": p.replicated_ms, "overhead": p.overhead,
+            "gathers_ms": p.gathers_ms, "floor_ms": p.floor.ms, "floor_term": p.floor.term}
+
+
+@dataclass(frozen=True)
+class _Model:
+    """What the plan knows about the model, from SRC or OUT."""
+
+    kind: str
+    sizes: dict[int, int]  # candidate layer → |T| at the requested N
+    replicated_bytes: int  # non-target bytes
+    config: dict[str, Any] | None
+    chunk_alignment: int
+    notes: tuple[str, ...] = ()
+
+
+def plan_sharding(request: PlanRequest) -> PlanReport:
+    """Assess sharding the model at `request.source` over `request.ranks` ranks; see the module docstring.
+
+    >>> report = plan_sharding(PlanRequest("my-llama/", ranks=8, preset="llama",
+    ...                                    profile=Path("profile.json")))  # doctest: +SKIP
+    >>> report.verdict_line  # doctest: +SKIP
+    """
+    if request.ranks < 1:
+        raise ShardprepError(f"--ranks must be >= 1, got {request.ranks}")
+    model = _read_model(request)
+    n = request.ranks
+    alignment = model.chunk_alignment
+    aliased = zero_copy_applies(alignment)
+    slot_model = (f"aliased own chunk: slots {request.num_slots}·(N−1)/N·max|T| (CUDA, chunks aligned to "
+                  f"{human_bytes(alignment)} ≥ 2 MiB)" if aliased else
+                  f"copy: slots {request.num_slots}·max|T| (chunk alignment {human_bytes(alignment)} < 2 MiB, so the "
+                  "own chunk cannot be mapped; convert with a 2 MiB chunk alignment for the smaller slots)")
+    kv = kv_cache_shape(model.config, request.kv_dtype) if model.config else None
+    notes = list(model.notes)
+    if model.config is None:
+        notes.append("no config.json: KV-cache figures are left out")
+    elif kv is None:
+        notes.append("an encoder-only model keeps no KV cache")
+
+    profile = load_profile(request.profile) if request.profile else None
+    candidates = tuple(sorted(model.sizes))
+    model_layers = _model_layers(model, profile, candidates)
+    chunks = {i: align_up(t // n, alignment) for i, t in model.sizes.items()}
+    recv = {i: (n - 1) * c for i, c in chunks.items()}
+    gather_ms, gather_source, backend = _gather_times(request, profile, recv, n, notes)
+    tokens: tuple[int, ...] = ()
+    token_index: list[int] = []
+    if profile is not None:
+        tokens = request.tokens or profile.tokens
+        token_index = [profile.token_index(t) for t in tokens]
+
+    def memory(layers: Sequence[int]) -> MemoryAccount:
+        return account_layers([model.sizes[i] for i in layers], n, num_slots=request.num_slots,
+                              chunk_alignment=alignment, aliased_own_chunk=aliased,
+                              non_target_bytes=model.replicated_bytes)
+
+    def predictor(indices: Sequence[int]) -> Predict | None:
+        if profile is None or gather_ms is None or not indices:
+            return None
+        b = profile.backend(backend)
+
+        def predict(layers: Sequence[int]) -> list[StepPrediction]:
+            gathers = {i: gather_ms[i] for i in layers}
+            return [predict_step(profile.segments(ti, gathers), b.interference(ti), request.num_slots)
+                    for ti in indices]
+
+        return predict
+
+    predict = predictor(token_index)
+    every = evaluate(candidates, memory, predict)
+    if request.budget_bytes is not None:
+        chosen = choose_layers(candidates, memory, predict, budget_bytes=request.budget_bytes)
+    else:
+        chosen = choose_layers(candidates, memory, predict, max_overhead=request.max_overhead)
+    pays_from, from_choice = None, None
+    if chosen is None and predict is not None and request.budget_bytes is None:
+        for k in range(1, len(tokens)):
+            later = [ti for t, ti in zip(tokens, token_index) if t >= sorted(tokens)[k]]
+            found = choose_layers(candidates, memory, predictor(later), max_overhead=request.max_overhead)
+            if found is not None:
+                pays_from, from_choice = sorted(tokens)[k], found
+                break
+    shown = chosen or from_choice or every
+    replicated_part = model.replicated_bytes + sum(model.sizes[i] for i in candidates if i not in shown.layers)
+    cap = capacity(shown.memory, kv, replicated_part_bytes=replicated_part, context_len=request.context_len,
+                   hbm_bytes=request.hbm_bytes)
+    least = least_overhead(candidates, memory, predict) if predict is not None else None
+    verdict, line = _verdict(request, every, chosen, pays_from, from_choice, least, kv, gather_ms, gather_source,
+                             tokens)
+    pick = chosen or from_choice
+    rows = [LayerRow(i, model.sizes.get(i), chunks.get(i), gather_ms.get(i) if gather_ms else None,
+                     tuple(profile.layers[i].compute_ms[ti] for ti in token_index) if profile else ())
+            for i in range(model_layers)]
+    return PlanReport(
+        source=request.source, kind=model.kind, ranks=n, model_layers=model_layers, candidates=candidates,
+        tokens=tokens, rows=rows, slot_model=slot_model, every_layer=every, chosen=chosen, capacity=cap,
+        verdict=verdict, verdict_line=line, kv=kv, pays_from_tokens=pays_from,
+        convert_layers=format_layers(pick.layers, num_layers=model_layers) if pick else None,
+        gather_source=gather_source, backend=backend, notes=notes,
+    )
+
+
+def _verdict(request: PlanRequest, every: LayerChoice, chosen: LayerChoice | None, pays_from: int | None,
+             from_choice: LayerChoice | None, least: LayerChoice | None, kv: KvCacheShape | None,
+             gather_ms: dict[int, float] | None, gather_source: str, tokens: tuple[int, ...]) -> tuple[Verdict, str]:
+    bound = f"{request.max_overhead:.0%}"
+    if every.memory.saved_bytes <= 0:
+        return Verdict.DOES_NOT_PAY, f"does not pay: {every.memory.shortfall_reason()}"
+    if request.budget_bytes is not None and chosen is None:
+        return Verdict.DOES_NOT_PAY, (f"does not pay: cannot free {human_bytes(request.budget_bytes)} per rank; "
+                                      f"sharding every candidate layer frees {human_bytes(every.memory.saved_bytes)}")
+    if not every.predictions:
+        pick = chosen or every
+        gathers = ""
+        if gather_ms is not None:
+            total = sum(gather_ms[i] for i in pick.layers)
+            gathers = f"; its gathers take {total:.2f} ms per forward at {gather_source}"
+        return Verdict.MEMORY_ONLY, (f"memory only: sharding {len(pick.layers)} layers {_gain(pick, kv)}{gathers}; "
+                                     "the step cost needs --profile (`shardprep profile` on the target GPUs)")
+    if chosen is not None:
+        worst = max(range(len(tokens)), key=lambda k: chosen.predictions[k].overhead)
+        overhead = chosen.predictions[worst].overhead
+        what = (f"shard {len(chosen.layers)} of {len(every.layers)} layers: {_gain(chosen, kv)} at "
+                f"{overhead:+.1%} step time at worst ({tokens[worst]} tokens)")
+        if overhead > request.max_overhead:
+            return Verdict.DOES_NOT_PAY, f"does not pay within {bound}: the least costly way to {what}"
+        return Verdict.PAYS, f"pays: {what}"
+    if pays_from is not None and from_choice is not None:
+        return Verdict.PAYS_FROM, (f"pays only from {pays_from} tokens per step: there, sharding "
+                                   f"{len(from_choice.layers)} layers {_gain(from_choice, kv)} within {bound}; "
+                                   "with fewer tokens every sharded layer costs more")
+    cheapest = f" (the cheapest, {len(least.layers)} layers, costs {least.worst_overhead:+.1%})" if least else ""
+    return Verdict.DOES_NOT_PAY, (f"does not pay within {bound} at {', '.join(map(str, tokens))} tokens: every "
+                                  f"layer set that saves memory costs more{cheapest}")
+
+
+def _gain(choice: LayerChoice, kv: KvCacheShape | None) -> str:
+    saved = choice.memory.saved_bytes
+    tokens = f" = {kv.tokens(saved):,} KV tokens" if kv else ""
+    return f"frees {human_bytes(saved)} per rank{tokens}"
+
+
+def _model_layers(model: _Model, profile: Profile | None, candidates: tuple[int, ...]) -> int:
+    from_config = None
+    if model.config:
+        text = model.config.get("text_config") or {}
+        from_config = model.config.get("num_hidden_layers") or text.get("num_hidden_layers")
+    if profile is not None:
+        if from_config and len(profile.layers) != int(from_config):
+            raise ProfileError(f"the profile has {len(profile.layers)} layers but config.json has {from_config}; "
+                               "profile the same model")
+        if candidates and max(candidates) >= len(profile.layers):
+            raise ProfileError(f"the profile has {len(profile.layers)} layers, but layer {max(candidates)} has "
+                               "targets; profile the same model")
+        return len(profile.layers)
+    return int(from_config) if from_config else (max(candidates) + 1 if candidates else 0)
+
+
+def _gather_times(request: PlanRequest, profile: Profile | None, recv: dict[int, int], n: int,
+                  notes: list[str]) -> tuple[dict[int, float] | None, str, str | None]:
+    """Gather ms per candidate layer, where they came from, and the backend."""
+    if request.link_gbps is not None:
+        if request.link_gbps <= 0:
+            raise ShardprepError(f"--link-gbps must be > 0, got {request.link_gbps}")
+        return ({i: b / (request.link_gbps * GB) * 1e3 for i, b in recv.items()},
+                f"{request.link_gbps:g} GB/s received per rank (--link-gbps)", request.backend)
+    if profile is None:
+        return None, "", request.backend
+    b = profile.backend(request.backend)
+    if profile.world_size != n:
+        notes.append(f"the profile was measured at N = {profile.world_size}: gathers are estimated from its "
+                     f"gather-only bandwidth ({b.recv_gbps:.1f} GB/s) at N = {n}")
+        return ({i: r / (b.recv_gbps * GB) * 1e3 for i, r in recv.items()},
+                f"{b.name} at {b.recv_gbps:.1f} GB/s (profile, N = {profile.world_size})", b.name)
+    times = {i: b.estimate_gather_ms(i, r) for i, r in recv.items()}
+    return times, f"{b.name} (profile: measured per layer, {b.recv_gbps:.1f} GB/s gather-only)", b.name
+
+
+def _read_model(request: PlanRequest) -> _Model:
+    root = Path(request.source)
+    if (root / MANIFEST_NAME).is_file():
+        return _read_converted(root, request)
+    return _read_checkpoint(request)
+
+
+def _read_checkpoint(request: PlanRequest) -> _Model:
+    from .plan import make_plan
+    from .source import open_source
+
+    ckpt = open_source(request.source, request.revision)
+    selection = Selection(targets=request.targets, preset=load_preset(request.preset) if request.preset else None,
+                          layers=parse_layers(request.layers),
+                          layer_pattern=request.layer_pattern or DEFAULT_LAYER_PATTERN)
+    plan = make_plan(ckpt, request.ranks, selection)
+    return _Model("checkpoint", {lay.layer: lay.total_bytes for lay in plan.layouts}, plan.replicated_bytes,
+                  ckpt.config, request.chunk_alignment or ENTRY_ALIGNMENT)
+
+
+def _read_converted(root: Path, request: PlanRequest) -> _Model:
+    from .inspect import replicated_bytes
+
+    manifest = load_manifest(root)
+    wanted = parse_layers(request.layers)
+    records = [r for r in manifest.layers if r.layer in wanted]
+    if not records:
+        raise ShardprepError(f"{root}: none of its sharded layers ({', '.join(str(r.layer) for r in manifest.layers)})"
+                             f" is in --layers {request.layers}")
+    notes = []
+    if request.targets or request.preset:
+        notes.append(f"{root} is converted: its own targets are used, --preset/--target are ignored")
+    if request.ranks == manifest.world_size:
+        sizes = {r.layer: r.total_bytes for r in records}
+    else:  # the same tensors, laid out for the requested N (|T| pads to a multiple of 16·N)
+        sizes = {r.layer: plan_layer(r.layer, [TensorSpec(e.name, e.dtype, e.shape) for e in r.entries],
+                                     request.ranks, [FusedGroup(v.name, v.members) for v in r.views]).total_bytes
+                 for r in records}
+        notes.append(f"{root} was converted for {manifest.world_size} ranks; sizes are laid out again for "
+                     f"{request.ranks}")
+    config_path = root / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else None
+    unsharded = sum(r.total_bytes for r in manifest.layers if r not in records)
+    return _Model("converted", sizes, replicated_bytes(root, manifest) + unsharded, config,
+                  request.chunk_alignment or manifest_chunk_alignment(manifest), tuple(notes))

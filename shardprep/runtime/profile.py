@@ -1,0 +1,362 @@
+"""`shardprep profile`: measure, on the real model and GPUs, the numbers `shardprep plan` predicts from.
+
+On a bound model (`profile_binding`), per token count and per gather backend:
+
+1. replicated: every sharded layer is gathered once into a buffer of its own (`ResidentWeights`), and
+   each decoder layer's compute is timed with no gather anywhere (hooks record a mark at every layer);
+2. gathers: each layer's gather alone and one forward's gathers back to back (`idle_step`), whose
+   bytes received give the gather-only bandwidth;
+3. interference: the replicated forward timed while this backend's gathers stream beside it for its
+   whole length (κ, how much slower compute runs), and a forward's gathers timed while forwards run
+   beside them (λ). On a GPU both share HBM: see ../shared/MEASURED.md and docs/planning.md;
+4. sharded: the model bound to the backend, one step timed per token count (what plan's prediction
+   should match for this directory's layer choice).
+
+Every time is a median over `iters` calls, the slowest rank's. A step is one forward from an idle
+device to its last kernel (a decode step samples before the next begins).
+
+`profile(DIR, nproc, options)` starts the ranks with torch's elastic launcher (`launch_local`); each
+builds DIR's transformers model (`build_model`) and runs `profile_binding`; rank 0 returns the Profile.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import RuntimeShardError
+from ..manifests.manifest import load_manifest
+from ..manifests.profile_format import BackendTimes, LayerTimes, Profile
+from .binding import Binding, bind
+from .gatherer import LayerGatherer
+from .resident_weights import ResidentWeights
+from .timing import DeviceClock, Mark, median, slowest
+
+Forward = Callable[[], Any]
+DEFAULT_TOKENS = (1, 16, 128, 1024, 4096)
+DRY_RUN_TOKENS = (1, 8)
+# Background work is sized to outlast the foreground by this factor, so the foreground overlaps it
+# from its first kernel to its last.
+COVER = 1.5
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """What to measure and how often. `backends[0]` is the one the binding was built with."""
+
+    tokens: tuple[int, ...] = DEFAULT_TOKENS
+    backends: tuple[str, ...] = ("auto",)
+    iters: int = 20
+    warmup: int = 3
+    device: str = "auto"
+    dry_run: bool = False
+
+    @classmethod
+    def for_dry_run(cls, tokens: tuple[int, ...] | None = None) -> ProfileOptions:
+        """CPU, gloo, tiny iteration counts: the real code path, fast enough for CI."""
+        return cls(tokens=tokens or DRY_RUN_TOKENS, backends=("gloo",), iters=2, warmup=1, device="cpu",
+                   dry_run=True)
+
+
+def profile_binding(binding: Binding, forward_at: Callable[[int], Forward], layer_modules: Sequence[nn.Module],
+                    options: ProfileOptions, source: str = "") -> Profile:
+    """Measure a bound model; collective (every rank of the gatherer's group, same arguments).
+
+    `forward_at(tokens)` returns a call that runs one forward on that many tokens; `layer_modules` are
+    the model's decoder layers in order (their positions are the manifest's layer indices). Returns the
+    same Profile on every rank. The binding's hooks are off afterwards (the model is left unbound).
+
+    >>> profile = profile_binding(binding, lambda t: lambda: model(ids[:, :t]), model.model.layers,
+    ...                           ProfileOptions(tokens=(16, 1024)))  # doctest: +SKIP
+    """
+    shards = binding.shards
+    manifest = shards.manifest
+    clock = DeviceClock(shards.device)
+    group = binding.gatherer.group
+    control = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+    tokens = options.tokens
+    forwards = {t: forward_at(t) for t in tokens}
+    timer = _LayerTimer(clock, layer_modules)
+
+    resident = ResidentWeights(binding)
+    resident.attach()
+    head, tail, step = [], [], []
+    layer_ms: list[list[float]] = []
+    for t in tokens:
+        fwd = forwards[t]
+        for _ in range(options.warmup):
+            fwd()
+        samples = [timer.time(fwd) for _ in range(options.iters)]
+        row = slowest([median([s[i] for s in samples]) for i in range(len(layer_modules) + 3)], control)
+        head.append(row[0])
+        layer_ms.append(row[1:-2])
+        tail.append(row[-2])
+        step.append(row[-1])
+
+    gatherers = [binding.gatherer]
+    for name in options.backends[1:]:
+        if name not in {g.backend_name for g in gatherers}:
+            gatherers.append(LayerGatherer(shards, group=group, backend=name))
+    measured = []
+    for g in gatherers:
+        per_layer, gather_only = _gather_times(clock, g, options, control)
+        kappa, lam = [], []
+        for t, alone in zip(tokens, step):
+            fwd = forwards[t]
+            k = math.ceil(COVER * alone / gather_only) + 1 if gather_only > 0 else 1
+            m = math.ceil(COVER * gather_only / alone) + 1 if alone > 0 else 1
+            clock.beside(fwd, g.idle_step, k)  # warm-up of both together
+            reps = max(3, options.iters // 4)
+            with_gathers, with_compute = slowest([
+                median([clock.beside(fwd, g.idle_step, k) for _ in range(reps)]),
+                median([clock.beside(g.idle_step, fwd, m) for _ in range(reps)]),
+            ], control)
+            # Timing noise can make a run beside the other faster than alone; that is no speed-up.
+            kappa.append(max(0.0, with_gathers / alone - 1) if alone > 0 else 0.0)
+            lam.append(max(0.0, with_compute / gather_only - 1) if gather_only > 0 else 0.0)
+        measured.append((g, per_layer, gather_only, kappa, lam))
+    resident.detach()
+    if clock.cuda:
+        torch.cuda.empty_cache()
+
+    backends = []
+    for g, per_layer, gather_only, kappa, lam in measured:
+        bound = bind(binding.model, shards, g)
+        sharded = []
+        for t in tokens:
+            fwd = forwards[t]
+            for _ in range(options.warmup):
+                fwd()
+            sharded.append(median([clock.time_ms(fwd) for _ in range(options.iters)]))
+        bound.remove()
+        backends.append(BackendTimes(
+            name=g.backend_name,
+            gather_ms=per_layer,
+            gather_only_ms=gather_only,
+            recv_bytes_per_forward=(manifest.world_size - 1) * sum(r.chunk_bytes for r in manifest.layers),
+            compute_slowdown=tuple(kappa),
+            gather_slowdown=tuple(lam),
+            sharded_step_ms=tuple(slowest(sharded, control)),
+        ))
+    dist.destroy_process_group(control)
+    sizes = {r.layer: r.total_bytes for r in manifest.layers}
+    return Profile(
+        world_size=manifest.world_size,
+        device=torch.cuda.get_device_name(shards.device) if clock.cuda else "cpu",
+        tokens=tokens,
+        layers=tuple(LayerTimes(i, tuple(row[i] for row in layer_ms), sizes.get(i))
+                     for i in range(len(layer_modules))),
+        head_ms=tuple(head),
+        tail_ms=tuple(tail),
+        replicated_step_ms=tuple(step),
+        backends=tuple(backends),
+        iters=options.iters,
+        dry_run=options.dry_run,
+        source=source,
+        environment=_environment(shards.device),
+    )
+
+
+class _LayerTimer:
+    """Marks at every layer's start and end during one forward (forward hooks on the layer modules)."""
+
+    def __init__(self, clock: DeviceClock, modules: Sequence[nn.Module]):
+        self.clock = clock
+        self.modules = list(modules)
+
+    def time(self, fwd: Forward) -> list[float]:
+        """[head, layer 0, ..., layer L−1, tail, whole step] in ms for one forward.
+
+        A layer's time runs from its start to the next layer's start (the last: to its end), so the
+        glue between layers counts with the layer before it.
+        """
+        n = len(self.modules)
+        starts: list[Mark] = [None] * n
+        ends: list[Mark] = [None] * n
+        handles = []
+        for i, module in enumerate(self.modules):
+            handles.append(module.register_forward_pre_hook(
+                lambda _m, _a, i=i: starts.__setitem__(i, self.clock.mark())))
+            handles.append(module.register_forward_hook(
+                lambda _m, _a, _o, i=i: ends.__setitem__(i, self.clock.mark())))
+        try:
+            self.clock.sync()
+            begin = self.clock.mark()
+            fwd()
+            end = self.clock.mark()
+            self.clock.sync()
+        finally:
+            for h in handles:
+                h.remove()
+        missing = [i for i in range(n) if starts[i] is None or ends[i] is None]
+        if missing:
+            raise RuntimeShardError(f"decoder layer {missing[0]} did not run in the forward; profile needs every "
+                                    "layer to run once per forward")
+        ms = self.clock.elapsed_ms
+        layers = [ms(starts[i], starts[i + 1]) for i in range(n - 1)] + [ms(starts[-1], ends[-1])]
+        return [ms(begin, starts[0]), *layers, ms(ends[-1], end), ms(begin, end)]
+
+
+def _gather_times(clock: DeviceClock, g: LayerGatherer, options: ProfileOptions,
+                  control: dist.ProcessGroup) -> tuple[dict[int, float], float]:
+    """Each layer's gather alone (layer → ms) and one forward's gathers back to back (ms).
+
+    In an idle step every gather is issued as soon as the one before it: the compute stream's mark
+    after wait(ℓ) passes when ℓ's gather is done, so consecutive marks bound one gather each.
+    """
+    for _ in range(options.warmup):
+        g.idle_step()
+    samples = []
+    for _ in range(options.iters):
+        clock.sync()
+        begin = clock.mark()
+        g.begin()
+        marks = []
+        for layer in g.layers:
+            g.wait(layer)
+            marks.append(clock.mark())
+            g.done(layer)
+        clock.sync()
+        points = [begin, *marks]
+        samples.append([clock.elapsed_ms(a, b) for a, b in zip(points, points[1:])])
+    per_layer = slowest([median([s[i] for s in samples]) for i in range(len(g.layers))], control)
+    total = slowest([median([sum(s) for s in samples])], control)[0]
+    return dict(zip(g.layers, per_layer)), total
+
+
+def _environment(device: torch.device) -> dict[str, str]:
+    env = {"torch": str(torch.__version__)}
+    if device.type == "cuda":
+        env["cuda"] = str(torch.version.cuda)
+        version = torch.cuda.nccl.version()
+        env["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    return env
+
+
+# -- one rank of `shardprep profile DIR` -----------------------------------------------------------------
+def profile_worker(directory: str, options: ProfileOptions) -> Profile | None:
+    """One rank of `shardprep profile`, in a process started with torchrun's environment variables.
+
+    Builds DIR's transformers model bound to this rank's shards, measures it, and returns the Profile
+    on rank 0 (None elsewhere).
+
+    >>> launch_local(profile_worker, 2, "out/", ProfileOptions())[0]  # doctest: +SKIP
+    """
+    from .hf_model import build_model, is_causal_lm
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = _device(options.device, int(os.environ.get("LOCAL_RANK", rank)))
+    # NVLink multicast stays off, as in serving (see docs/runtime.md).
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        with torch.inference_mode():
+            binding = build_model(directory, device, backend=options.backends[0])
+            model = binding.model
+            vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+            causal = is_causal_lm(directory)
+            generator = torch.Generator().manual_seed(0)  # the same tokens on every rank
+
+            def forward_at(tokens: int) -> Forward:
+                ids = torch.randint(0, vocab, (1, tokens), generator=generator).to(device)
+                extra = {"use_cache": False} if causal else {}
+                return lambda: model(input_ids=ids, **extra)
+
+            result = profile_binding(binding, forward_at, decoder_layers(binding), options, source=directory)
+    finally:
+        dist.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def decoder_layers(binding: Binding) -> list[nn.Module]:
+    """The model's list of decoder layers: the ModuleList that holds the bound layer modules.
+
+    >>> len(decoder_layers(build_model("out/", "cpu")))  # doctest: +SKIP
+    """
+    first = binding.layers[0].module
+    for module in binding.model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and any(m is first for m in module):
+            return list(module)
+    raise RuntimeShardError("cannot find the list of decoder layers that holds the bound layers")
+
+
+def _device(requested: str, local_rank: int) -> torch.device:
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if requested == "auto" else requested
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda" or not torch.cuda.is_available():
+        raise RuntimeShardError(f"--device {requested!r}: expected auto, cpu or cuda (with a CUDA device)")
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeShardError(f"rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
+                                "use fewer --nproc")
+    return torch.device("cuda", local_rank)
+
+
+def profile(directory: str | Path, nproc: int | None, options: ProfileOptions) -> Profile:
+    """Profile DIR on `nproc` local ranks (default: the manifest's world size); rank 0's Profile.
+
+    >>> profile("out/", 2, ProfileOptions(tokens=(16, 1024))).backends[0].recv_gbps  # doctest: +SKIP
+    """
+    manifest = load_manifest(directory)
+    n = manifest.world_size if nproc is None else nproc
+    if n != manifest.world_size:
+        raise RuntimeShardError(f"{directory} was converted for {manifest.world_size} ranks but --nproc is {n}; "
+                                f"profile with {manifest.world_size} ranks")
+    if not options.tokens or min(options.tokens) < 1 or options.iters < 1:
+        raise RuntimeShardError("--tokens must list counts >= 1 and --iters must be >= 1")
+    from .hf_model import is_causal_lm
+
+    is_causal_lm(directory)  # reads config.json: a missing or broken one is one line here, not N tracebacks
+    result = launch_local(profile_worker, n, str(directory), options)[0]
+    if not isinstance(result, Profile):
+        raise RuntimeShardError("rank 0 returned no profile")
+    return result
+
+
+def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> list[Any]:
+    """`entrypoint(*args)` in `nproc` local processes started by torch's elastic launcher (what torchrun
+    uses; each gets RANK, WORLD_SIZE, MASTER_ADDR, ...); their return values by rank.
+
+    A failing rank stops the others; its error becomes one RuntimeShardError.
+
+    >>> launch_local(profile_worker, 2, "out/", ProfileOptions())  # doctest: +SKIP
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # As torchrun does: N processes each using every core would oversubscribe the machine.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shardprep-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+                          start_method="spawn")
+    elastic = logging.getLogger("torch.distributed.elastic")
+    level = elastic.level
+    elastic.setLevel(logging.ERROR)  # the agent's INFO/WARNING chatter is not the user's output
+    try:
+        results = elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        text = str(message).strip().splitlines()[0] if str(message).strip() else f"exit code {failure.exitcode}"
+        raise RuntimeShardError(f"rank {rank} failed: {text}; the others were stopped") from None
+    finally:
+        elastic.setLevel(level)
+    return [results[r] for r in range(nproc)]

@@ -1,0 +1,134 @@
+"""`shardprep plan`: memory and KV figures, the layer choice and its `convert --layers`, the verdict, no torch.
+
+Profiles here are written through the Profile dataclasses with chosen times, so each test controls where
+the gathers hide; tests/test_profile.py checks a measured one end to end.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from shardprep.cli import app
+from shardprep.manifests import load_manifest
+from shardprep.manifests.kv_cache import kv_cache_shape
+from shardprep.manifests.profile_format import BackendTimes, LayerTimes, Profile
+from shardprep.prep.convert import convert
+from shardprep.prep.plan import make_plan
+from shardprep.prep.selection import Selection, load_preset, parse_layers
+from shardprep.prep.source import open_source
+
+LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def llama8(checkpoint_cache):
+    return checkpoint_cache("llama", layers=LAYERS)
+
+
+def write_profile(path, *, tokens, compute_ms, gather_ms, kappa=0.0, world_size=8, layers=LAYERS):
+    """A profile whose every layer computes `compute_ms[i]` ms at tokens[i] and gathers in `gather_ms` ms."""
+    n = len(tokens)
+    profile = Profile(
+        world_size=world_size, device="test", tokens=tuple(tokens),
+        layers=tuple(LayerTimes(i, tuple(compute_ms)) for i in range(layers)),
+        head_ms=(0.05,) * n, tail_ms=(0.05,) * n, replicated_step_ms=tuple(c * layers for c in compute_ms),
+        backends=(BackendTimes("ce", {i: gather_ms for i in range(layers)}, gather_ms * layers, 10**6 * layers,
+                               (kappa,) * n, (0.0,) * n, (0.0,) * n),),
+    )
+    path.write_text(json.dumps(profile.to_dict()))
+    return path
+
+
+def plan_json(*args):
+    result = CliRunner().invoke(app, ["plan", *map(str, args), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_without_a_profile_the_plan_gives_memory_kv_and_link_gathers(llama8):
+    report = plan_json(llama8, "--ranks", 8, "--preset", "llama", "--link-gbps", 100, "--context-len", 64)
+    assert report["schema"] == "shardprep/plan/1" and report["verdict"] == "memory only"
+    sizes = {lay.layer: lay.total_bytes for lay in make_plan(open_source(llama8), 8, Selection(
+        preset=load_preset("llama"), layers=parse_layers("all"))).layouts}
+    for row in report["layers"]:
+        assert row["gather_ms"] == pytest.approx(7 * sizes[row["layer"]] / 8 / 100e9 * 1e3)
+    kv = kv_cache_shape(json.loads((llama8 / "config.json").read_text()))
+    cap = report["capacity"]
+    assert report["every_layer"]["memory"]["saved_bytes"] == cap["saved_bytes"] > 0
+    assert cap["kv_tokens"] == cap["saved_bytes"] // kv.bytes_per_token
+    assert cap["extra_requests"] == cap["kv_tokens"] // 64
+    assert "the step cost needs --profile" in report["verdict_line"]
+
+
+def test_the_chosen_layers_convert_and_stay_under_the_bound(llama8, tmp_path):
+    profile = write_profile(tmp_path / "p.json", tokens=(16, 128), compute_ms=(1.0, 2.0), gather_ms=1.6)
+    report = plan_json(llama8, "--ranks", 8, "--preset", "llama", "--profile", profile, "--max-overhead", "5%")
+    assert report["verdict"] == "pays"
+    chosen = report["chosen"]
+    assert chosen["worst_overhead"] <= 0.05 and 0 < len(chosen["layers"]) < LAYERS
+    assert report["every_layer"]["worst_overhead"] > 0.05  # sharding everything would not fit the bound
+    out = tmp_path / "out"
+    convert(llama8, out, 8, preset="llama", layers=report["convert_layers"])
+    assert [r.layer for r in load_manifest(out).layers] == chosen["layers"]
+
+
+def test_a_model_that_pays_only_with_many_tokens_says_from_how_many(llama8, tmp_path):
+    profile = write_profile(tmp_path / "p.json", tokens=(16, 1024), compute_ms=(0.1, 5.0), gather_ms=1.0)
+    report = plan_json(llama8, "--ranks", 8, "--preset", "llama", "--profile", profile)
+    assert report["verdict"] == "pays only from" and report["pays_from_tokens"] == 1024
+    assert report["chosen"] is None and report["convert_layers"]
+    assert report["verdict_line"].startswith("pays only from 1024 tokens per step")
+
+
+def test_a_budget_is_freed_at_the_least_overhead(llama8, tmp_path):
+    profile = write_profile(tmp_path / "p.json", tokens=(16,), compute_ms=(1.0,), gather_ms=1.6)
+    everything = plan_json(llama8, "--ranks", 8, "--preset", "llama", "--profile", profile)["every_layer"]
+    budget_gb = everything["memory"]["saved_bytes"] / 2 / 1e9
+    report = plan_json(llama8, "--ranks", 8, "--preset", "llama", "--profile", profile, "--budget-gb", budget_gb)
+    assert report["chosen"]["memory"]["saved_bytes"] >= budget_gb * 1e9
+    assert report["chosen"]["worst_overhead"] <= everything["worst_overhead"]
+    too_much = plan_json(llama8, "--ranks", 8, "--preset", "llama", "--profile", profile, "--budget-gb", 1)
+    assert too_much["verdict"] == "does not pay" and "cannot free" in too_much["verdict_line"]
+
+
+def test_a_converted_directory_that_saves_nothing_does_not_pay_and_says_why(checkpoint_cache, tmp_path):
+    out = tmp_path / "out"
+    convert(checkpoint_cache("llama"), out, 2, preset="llama")
+    report = plan_json(out, "--ranks", 2)
+    inspected = CliRunner().invoke(app, ["inspect", str(out), "--json"])
+    assert report["kind"] == "converted" and report["verdict"] == "does not pay"
+    assert "gather slots" in report["verdict_line"] and "pays from 5 sharded layers" in report["verdict_line"]
+    assert report["every_layer"]["memory"]["saved_bytes"] == json.loads(inspected.stdout)["totals"]["saved_bytes"]
+
+
+def test_the_printed_plan_ends_with_its_verdict_and_names_the_convert_argument(llama8, tmp_path):
+    profile = write_profile(tmp_path / "p.json", tokens=(16, 128), compute_ms=(1.0, 2.0), gather_ms=1.6)
+    result = CliRunner().invoke(app, ["plan", str(llama8), "--ranks", "8", "--preset", "llama", "--profile",
+                                      str(profile)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1].startswith("pays: shard")
+    assert any(line.startswith("convert argument: --layers ") for line in lines)
+
+
+def test_a_profile_of_another_model_is_refused_in_one_line(llama8, tmp_path):
+    profile = write_profile(tmp_path / "p.json", tokens=(16,), compute_ms=(1.0,), gather_ms=1.0, layers=5)
+    result = CliRunner().invoke(app, ["plan", str(llama8), "--ranks", "8", "--preset", "llama", "--profile",
+                                      str(profile)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: the profile has 5 layers but config.json has 8; profile the same model"
+
+
+def test_plan_and_inspect_run_without_torch(llama8, tmp_path):
+    out = tmp_path / "out"
+    convert(llama8, out, 2, preset="llama")
+    code = ("import sys; sys.modules['torch'] = None; from shardprep.cli import app; "
+            "app(sys.argv[1:], standalone_mode=False)")
+    for args in (["plan", str(llama8), "--ranks", "2", "--preset", "llama", "--json"],
+                 ["plan", str(out), "--ranks", "4", "--json"], ["inspect", str(out), "--json"]):
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout)

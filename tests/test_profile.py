@@ -1,0 +1,67 @@
+"""`shardprep profile --dry-run`: the whole measuring path on CPU with gloo, and `plan` reading its output.
+
+The times of a dry run mean nothing (a shared CPU); the test checks what was measured and how it is
+recorded, and that the planner accepts it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from shardprep.cli import app
+from shardprep.manifests import load_manifest
+from shardprep.manifests.profile_format import PROFILE_SCHEMA, load_profile
+from shardprep.prep.convert import convert
+
+
+def test_dry_run_profiles_every_layer_and_backend_and_plan_reads_it(checkpoint_cache, tmp_path):
+    out = tmp_path / "out"
+    convert(checkpoint_cache("llama", layers=4), out, 2, preset="llama", layers="1-:2")
+    path = tmp_path / "profile.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COLUMNS="160")
+    proc = subprocess.run([sys.executable, "-m", "shardprep", "profile", str(out), "--dry-run", "--out", str(path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gloo: gather-only" in proc.stdout
+
+    p = load_profile(path)
+    manifest = load_manifest(out)
+    assert json.loads(path.read_text())["schema"] == PROFILE_SCHEMA
+    assert p.world_size == 2 and p.tokens == (1, 8) and p.dry_run
+    assert [lay.layer for lay in p.layers] == [0, 1, 2, 3]
+    assert [lay.layer for lay in p.layers if lay.total_bytes] == [1, 3]
+    assert all(ms > 0 for lay in p.layers for ms in lay.compute_ms)
+    assert all(ms > 0 for ms in p.replicated_step_ms + p.head_ms + p.tail_ms)
+    (b,) = p.backends
+    assert b.name == "gloo" and sorted(b.gather_ms) == [1, 3] and all(ms > 0 for ms in b.gather_ms.values())
+    assert b.recv_bytes_per_forward == sum(r.chunk_bytes for r in manifest.layers)  # (N − 1)·Σ C at N = 2
+    assert b.gather_only_ms > 0 and all(ms > 0 for ms in b.sharded_step_ms)
+    assert len(b.compute_slowdown) == len(b.gather_slowdown) == 2
+    assert min(b.compute_slowdown + b.gather_slowdown) >= 0
+
+    result = CliRunner().invoke(app, ["plan", str(out), "--ranks", "2", "--profile", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [pr["tokens"] for pr in report["every_layer"]["predictions"]] == [1, 8]
+    assert report["gather_source"].startswith("gloo (profile")
+
+
+def test_profile_refuses_a_rank_count_other_than_the_manifests(checkpoint_cache, tmp_path):
+    out = tmp_path / "out"
+    convert(checkpoint_cache("llama"), out, 2, preset="llama")
+    result = CliRunner().invoke(app, ["profile", str(out), "--nproc", "3", "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 2
+    assert "converted for 2 ranks but --nproc is 3" in result.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_profile_refuses_a_directory_without_config_before_starting_ranks(checkpoint_cache, tmp_path):
+    out = tmp_path / "out"
+    convert(checkpoint_cache("llama"), out, 2, preset="llama")
+    (out / "config.json").unlink()
+    result = CliRunner().invoke(app, ["profile", str(out), "--dry-run", "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: {out / 'config.json'}: not found; copy the source's config.json into {out}"
