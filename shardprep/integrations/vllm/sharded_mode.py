@@ -90,8 +90,10 @@ def load_sharded(
 def startup_line(binding: Binding, directory: str | Path) -> str:
     """The one line each rank logs at startup: what it holds against what full weights would take.
 
-    >>> startup_line(binding, "out/")  # doctest: +SKIP
-    'shardprep: DP rank 0 of 2 serves out/ sharded: layers 1..2 bound, gather backend gloo; ...'
+    Rank, world size, the layers bound, the gather backend, and the resident target bytes (its chunks,
+    R/N, plus the slots, 2·max|T|) against R, all read from the buffers themselves (docs/serving.md).
+
+    >>> log.info(startup_line(binding, "out/"))  # doctest: +SKIP
     """
     shards, gatherer = binding.shards, binding.gatherer
     manifest = shards.manifest
