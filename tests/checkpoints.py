@@ -15,18 +15,22 @@ import torch
 ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "bert")
 
 
-def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 128):
-    """A small transformers config of the given architecture (odd sizes on purpose: rows not divisible by N)."""
+def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 128, head_dim: int | None = None):
+    """A small transformers config of the given architecture (odd sizes on purpose: rows not divisible by N).
+
+    `head_dim` (llama, qwen3-moe) overrides the attention head size: vLLM's CPU attention needs >= 32.
+    """
     import transformers as tf
 
     if arch == "llama":
         return tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 24,
                               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                              max_position_embeddings=256, tie_word_embeddings=False)
+                              head_dim=head_dim or hidden // 4, max_position_embeddings=256,
+                              tie_word_embeddings=False)
     if arch == "qwen3-moe":
         return tf.Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                                  moe_intermediate_size=24, num_hidden_layers=layers, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                 num_key_value_heads=2, head_dim=head_dim or 16, num_experts=4, num_experts_per_tok=2,
                                  max_position_embeddings=256, decoder_sparse_step=1, mlp_only_layers=[],
                                  tie_word_embeddings=False)
     if arch == "deepseek-v3":
@@ -53,13 +57,14 @@ def make_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     tokenizer: bool = True,
+    head_dim: int | None = None,
 ) -> Path:
     """Write a tiny random `arch` model with save_pretrained (single file, or several shards plus an index)."""
     import transformers as tf
 
     directory = Path(directory)
     torch.manual_seed(seed)
-    config = tiny_config(arch, layers=layers, hidden=hidden, vocab=vocab)
+    config = tiny_config(arch, layers=layers, hidden=hidden, vocab=vocab, head_dim=head_dim)
     if arch == "bert":
         model = tf.BertModel(config)
     else:

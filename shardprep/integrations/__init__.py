@@ -1,0 +1,1 @@
+"""Integrations with serving engines (vLLM), each in one subpackage; importing this imports no engine."""

@@ -1,0 +1,67 @@
+"""Full mode: every worker rebuilds the full weights from the output directory and hands them to vLLM.
+
+vLLM's own `model.load_weights` receives the checkpoint's tensors under their checkpoint names, exactly
+as from the source checkpoint, so tensor parallelism, fused parameters and quantization scales are
+handled by vLLM as usual. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...errors import ShardprepError
+from ...loader.full_targets import iter_full_targets
+from ...loader.rank_shards import RankShards
+from ...manifests.manifest import Manifest, load_manifest
+
+
+def output_weights(directory: str | Path, verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the source checkpoint, read from a convert output.
+
+    The non-targets come from the output's safetensors files, the targets are rebuilt layer by layer
+    from all rank files (with `verify`, every file's and chunk's checksum is checked before it is used).
+
+    >>> model.load_weights(output_weights("out/"))  # doctest: +SKIP
+    """
+    manifest = load_manifest(directory)
+    yield from _replicated(Path(directory), manifest, verify).items()
+    yield from iter_full_targets(directory, verify=verify, manifest=manifest)
+
+
+def load_full(model: nn.Module, directory: str | Path, verify: bool = True) -> None:
+    """Load a vLLM model's weights from a convert output through the model's own `load_weights`.
+
+    Refuses a model that is left with a parameter the output does not hold.
+
+    >>> load_full(model, "out/")  # doctest: +SKIP
+    """
+    loaded = model.load_weights(output_weights(directory, verify))  # type: ignore[operator]
+    check_all_loaded(model, loaded, directory)
+
+
+def check_all_loaded(model: nn.Module, loaded: Iterable[str] | None, directory: str | Path,
+                     also: Collection[str] = ()) -> None:
+    """Refuse a model with a parameter that is neither in `loaded` (what load_weights reported) nor in `also`.
+
+    A model whose load_weights reports nothing (None) cannot be checked and passes.
+
+    >>> check_all_loaded(model, model.load_weights(weights), "out/")  # doctest: +SKIP
+    """
+    if loaded is None:
+        return
+    missing = sorted({name for name, _ in model.named_parameters()} - set(loaded) - set(also))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if missing[1:] else ""
+        raise ShardprepError(f"{directory}: the model's parameter {missing[0]!r}{more} is in no tensor of the "
+                             "output; was it converted from this model?")
+
+
+def _replicated(directory: Path, manifest: Manifest, verify: bool) -> dict[str, torch.Tensor]:
+    # Full mode maps no rank file into memory, and load_replicated reads only the directory's
+    # safetensors files: a RankShards over a meta buffer (no storage) is all it needs.
+    unloaded = torch.empty(manifest.rank_file_bytes, dtype=torch.uint8, device="meta")
+    return RankShards(manifest, 0, unloaded, directory).load_replicated("cpu", verify=verify)

@@ -1,0 +1,125 @@
+"""Run a list of vLLM engines one after another and record each one's greedy tokens or its error.
+
+`python tests/vllm_engines/engine_runs.py PLAN.json RESULTS.json` (inside the vLLM virtual environment).
+
+Starting vLLM is the cost of these tests (each import takes tens of seconds on two cores), so one
+process runs every engine of a plan: with `dp_size` 1 the engines run in this process (engine core
+in-process; TP > 1 still spawns its workers), and with `dp_size` N > 1, N processes are spawned as in
+vLLM's offline data-parallel example (`VLLM_DP_*` variables), each running every engine of the plan as
+its DP rank. A DP rank waits for its peers before shutting an engine down: an idle rank's engine must
+keep taking part in the collectives until the busiest rank is done.
+
+PLAN: {"dp_size": N, "runs": [{"name", "model" (a path, or one per DP rank), "llm" (LLM kwargs),
+"prompts" (one list per DP rank), "max_tokens" (one per DP rank)}]}. RESULTS: {name: [per DP rank:
+{"tokens": [[ids] per prompt]} or {"error": "Type: message"}]}. Tests call `run_engines(plan, workdir)`,
+which runs this script in a subprocess and keeps everything it prints in `workdir/engines.log`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default asks for a share of the memory node, which is shared here
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per TP worker or DP rank (TP=2 needs it; TP=1 takes the first)
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict, str]:
+    """Run `plan` in a fresh process; (results, everything it printed: vLLM's and the workers' logs)."""
+    plan_path, results_path, log_path = workdir / "plan.json", workdir / "results.json", workdir / "engines.log"
+    plan_path.write_text(json.dumps(plan))
+    with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs
+        done = subprocess.run([sys.executable, __file__, str(plan_path), str(results_path)], stdout=log,
+                              stderr=subprocess.STDOUT, timeout=timeout, env={**os.environ, **ENV})
+    output = log_path.read_text()
+    assert done.returncode == 0 and results_path.exists(), output[-6000:]
+    return json.loads(results_path.read_text()), output
+
+
+def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, dict]:
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    results: dict[str, dict] = {}
+    for port, run in zip(ports, plan["runs"]):
+        os.environ["VLLM_DP_MASTER_PORT"] = str(port)
+        model = run["model"] if isinstance(run["model"], str) else run["model"][dp_rank]
+        llm = None
+        try:
+            llm = LLM(model=model, **run["llm"])
+            params = SamplingParams(temperature=0, max_tokens=run["max_tokens"][dp_rank], ignore_eos=True)
+            outputs = llm.generate(run["prompts"][dp_rank], params, use_tqdm=False)
+            results[run["name"]] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+        except Exception as exc:  # recorded: the refusal cases expect one
+            traceback.print_exc()
+            results[run["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+        if barrier is not None:
+            barrier.wait(timeout=900)  # every DP rank's requests are done before any engine stops
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    return results
+
+
+def dp_rank_main(plan: dict, dp_rank: int, ports: list[int], barrier, queue) -> None:
+    os.environ.update(VLLM_DP_RANK=str(dp_rank), VLLM_DP_RANK_LOCAL=str(dp_rank), VLLM_DP_SIZE=str(plan["dp_size"]),
+                      VLLM_DP_MASTER_IP="127.0.0.1")
+    try:
+        queue.put((dp_rank, run_plan(plan, dp_rank, ports, barrier)))
+    except BaseException:
+        queue.put((dp_rank, {"_crash": {"error": traceback.format_exc()}}))
+        raise
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def main(plan_path: str, results_path: str) -> None:
+    plan = json.loads(open(plan_path).read())
+    n = plan["dp_size"]
+    # Several engines per DP rank, each with its own DP master port (a closed port lingers in TIME_WAIT).
+    ports = free_ports(len(plan["runs"]))
+    if n == 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        by_rank = [run_plan(plan, 0, ports, None)]
+    else:
+        from multiprocessing import get_context
+
+        ctx = get_context("spawn")
+        barrier, queue = ctx.Barrier(n), ctx.Queue()
+        procs = [ctx.Process(target=dp_rank_main, args=(plan, r, ports, barrier, queue)) for r in range(n)]
+        for p in procs:
+            p.start()
+        got = dict(queue.get(timeout=1800) for _ in procs)
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+        by_rank = [got[r] for r in range(n)]
+    names = [run["name"] for run in plan["runs"]]
+    crashed = {"error": "the DP rank's process crashed before this run (see its traceback)"}
+    results = {name: [rank.get(name, rank.get("_crash", crashed)) for rank in by_rank] for name in names}
+    with open(results_path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
