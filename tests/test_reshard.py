@@ -16,13 +16,15 @@ from test_format_v2 import downgrade_to_v1
 from typer.testing import CliRunner
 
 import shardprep
+import shardprep.prep.output_dir as output_dir
 import shardprep.prep.reshard as reshard_module
 from shardprep.cli import app
 from shardprep.errors import ManifestError
 from shardprep.manifests.layout import Entry
 from shardprep.manifests.manifest import MANIFEST_NAME, load_manifest
-from shardprep.prep.convert import convert
+from shardprep.prep.convert import CopyMode, convert
 from shardprep.prep.output_dir import is_staging_dir
+from shardprep.prep.reshard_input import open_reshard_input
 from shardprep.prep.reshard_plan import plan_reshard
 from shardprep.prep.validate import validate
 
@@ -237,12 +239,36 @@ def test_files_the_manifest_does_not_list_are_not_carried_over(out8, tmp_path):
     out = shutil.copytree(out8, tmp_path / "out")
     (out / "notes.txt").write_text("unchecked")
     new = tmp_path / "new"
-    result = runner.invoke(app, ["reshard", str(out), str(new), "--ranks", "4", "--json"])
+    result = runner.invoke(app, ["reshard", str(out), str(new), "--ranks", "4"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"wrote {new}: 3 layers resharded from 8 to 4 rank files")
+    assert result.stdout.rstrip().endswith(f"not carried over, as {out}'s manifest does not list them: notes.txt")
+    result = runner.invoke(app, ["reshard", str(out), str(new), "--ranks", "2", "--json", "--overwrite"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["schema"] == "shardprep/reshard-summary/1"
-    assert summary["unlisted_files"] == ["notes.txt"] and summary["world_size"] == 4
+    assert summary["unlisted_files"] == ["notes.txt"] and summary["world_size"] == 2
     assert not (new / "notes.txt").exists() and validate(new).ok
+
+
+def test_free_space_is_checked_before_writing(out8, tmp_path, monkeypatch):
+    new = tmp_path / "new"
+    monkeypatch.setattr(output_dir, "disk_free", lambda parent: 1000)
+    result = runner.invoke(app, ["reshard", str(out8), str(new), "--ranks", "4"])
+    one_line_error(result, f"{tmp_path}: needs ")
+    assert "1000 bytes available" in result.stderr and not new.exists()
+
+
+def test_needed_bytes_cover_what_reshard_writes_and_hard_links_cost_nothing(out8, tmp_path):
+    source = open_reshard_input(out8)
+    plan = plan_reshard(source.manifest, 3)
+    new = tmp_path / "new"
+    copy = reshard_module._output_bytes(plan, source, new, CopyMode.COPY)
+    shardprep.reshard(out8, new, 3, copy_mode="copy")
+    used = sum(-(-p.stat().st_size // 4096) * 4096 for p in new.rglob("*") if p.is_file())
+    assert used <= copy
+    linked = sum(-(-f.size // 4096) * 4096 for f in source.manifest.replicated_files)
+    assert reshard_module._output_bytes(plan, source, new, CopyMode.AUTO) == copy - linked
 
 
 # -- interrupts say what is true -------------------------------------------------------------------------
