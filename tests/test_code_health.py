@@ -74,3 +74,11 @@ def test_ruff_is_clean():
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "shardprep", "tests", "benchmarks"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is not installed")
+def test_mypy_is_clean():
+    # The configuration (and its strictness) is in pyproject.toml's [tool.mypy].
+    proc = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout[-5000:]
