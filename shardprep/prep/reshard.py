@@ -83,10 +83,11 @@ def reshard(
     """Rewrite the output directory `out` (N rank files) as `new` with `ranks` rank files; no source needed.
 
     `new` gets exactly what `convert SRC new --ranks M` with `out`'s selection writes, but for the manifest's
-    `resharded_from` record (and its own checksum): docs/format.md. Every input chunk is checked against its
-    checksum as it is read, every rank file's header and size before, and every other file in NEW's staging
-    directory right after it is linked (`copy_mode` auto, link) or copied; anything corrupt or missing is a
-    ShardprepError naming the file, and `new` is left as it was. `chunk_alignment` and `overwrite` work as
+    `resharded_from` record (and its own checksum): docs/format.md. Every rank file's size and header are
+    checked before anything is written, every input chunk against its checksum as it is read, and every
+    other file against its checksum in NEW's staging directory right after it is linked (`copy_mode` auto,
+    link) or copied; anything corrupt or missing is a ShardprepError naming the file, and `new` is left as
+    it was. `chunk_alignment` and `overwrite` work as
     in convert, and so do the guarantees of docs/reliability.md (atomic replacement, lock, free space).
     Files in `out` that its manifest does not list have no checksum: they are not carried over
     (`unlisted_files`).

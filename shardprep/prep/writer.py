@@ -359,22 +359,21 @@ def output_bytes(plan: ConvertPlan, out: Path, copy_mode: str = "auto") -> int:
 
     >>> needed = output_bytes(plan, Path("out/"))  # doctest: +SKIP
     """
-    blocks = disk_bytes
     dest_dev = output_device(out)
     ckpt = plan.source
-    total = plan.world_size * blocks(plan.rank_file_bytes)
+    total = plan.world_size * disk_bytes(plan.rank_file_bytes)
     for f in plan.replicated:
         sf = ckpt.files[f.name]
         if f.tensors is None:
             linked = copy_mode != "copy" and os.stat(sf.path).st_dev == dest_dev
-            total += 0 if linked else blocks(sf.size)
+            total += 0 if linked else disk_bytes(sf.size)
         elif f.tensors:
             header = min(ckpt.tensors[name].start for name in sf.tensors)  # 8 + the source header
-            total += blocks(header + sum(t.nbytes for t in f.tensors))
+            total += disk_bytes(header + sum(t.nbytes for t in f.tensors))
     for rel in plan.other_files:
-        total += blocks(os.stat(ckpt.root / rel).st_size)
+        total += disk_bytes(os.stat(ckpt.root / rel).st_size)
     # The index and the manifest: a few hundred bytes per tensor at most.
-    total += blocks(1024 * (len(ckpt.tensors) + 16))
+    total += disk_bytes(1024 * (len(ckpt.tensors) + 16))
     return total
 
 
