@@ -1,9 +1,10 @@
 """shardprep: pre-shard the weights every GPU would otherwise replicate, and gather them back layer by layer.
 
 Offline (`shardprep.prep`, no torch needed): `convert` a HF safetensors checkpoint into per-rank flat
-chunks plus a manifest, `validate` and `inspect` the result. Startup (`shardprep.loader`): `open_rank`
-maps one rank's file into one device buffer. Runtime (`shardprep.runtime`): `LayerGatherer` rebuilds
-each layer's weights with one AllGather, one layer ahead; `bind` points a model at them.
+chunks plus a manifest, `validate` and `inspect` the result, `reshard` it for another number of ranks.
+Startup (`shardprep.loader`): `open_rank` maps one rank's file into one device buffer. Runtime
+(`shardprep.runtime`): `LayerGatherer` rebuilds each layer's weights with one AllGather, one layer
+ahead; `bind` points a model at them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from .prep.convert import ConvertSummary, convert
     from .prep.inspect import inspect
     from .prep.requant_jobs import RequantOptions
+    from .prep.reshard import ReshardSummary, reshard
     from .prep.validate import ValidationReport, validate
 
 _LAZY = {
@@ -26,6 +28,8 @@ _LAZY = {
     "ValidationReport": ("shardprep.prep.validate", "ValidationReport"),
     "inspect": ("shardprep.prep.inspect", "inspect"),
     "RequantOptions": ("shardprep.prep.requant_jobs", "RequantOptions"),
+    "reshard": ("shardprep.prep.reshard", "reshard"),
+    "ReshardSummary": ("shardprep.prep.reshard", "ReshardSummary"),
 }
 
 
@@ -39,6 +43,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'shardprep' has no attribute {name!r}")
 
 
-__all__ = ["ConvertSummary", "RequantOptions", "ShardprepError", "ValidationReport", "__version__", "convert",
-           "inspect",
-           "validate"]
+__all__ = ["ConvertSummary", "RequantOptions", "ReshardSummary", "ShardprepError", "ValidationReport", "__version__",
+           "convert", "inspect", "reshard", "validate"]

@@ -1,4 +1,4 @@
-"""Peak RSS of convert stays below 2 × (largest layer) + 300 MB, measured on a checkpoint of several hundred MB."""
+"""Peak RSS of convert and reshard stays below 2 × (largest layer) + 300 MB, on a checkpoint of several hundred MB."""
 
 import json
 import subprocess
@@ -29,8 +29,27 @@ print(json.dumps({{"maxrss_kb": vm_hwm() // 1024, "target_bytes": s.target_bytes
 """
 
 
-@pytest.mark.slow
-def test_peak_rss_is_bounded_by_the_largest_layer(tmp_path):
+RESHARD = """
+import json, sys
+def vm_hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+from shardprep.prep.reshard import reshard
+s = reshard({out!r}, {new!r}, 3)
+print(json.dumps({{"maxrss_kb": vm_hwm() // 1024, "target_bytes": s.target_bytes}}))
+"""
+
+
+def largest_layer(out):
+    manifest = json.loads((out / "shard_manifest.json").read_text())
+    return max(lay["total_bytes"] for lay in manifest["layers"])
+
+
+@pytest.fixture(scope="module")
+def big_output(tmp_path_factory):
+    """A checkpoint of several hundred MB, converted for 8 ranks in a fresh process: (out, convert's result)."""
+    tmp_path = tmp_path_factory.mktemp("big")
     src = tmp_path / "big"
     tests = str(Path(__file__).parent)
     subprocess.run([sys.executable, "-c", MAKE.format(tests=tests, path=str(src))], check=True, capture_output=True)
@@ -41,12 +60,31 @@ def test_peak_rss_is_bounded_by_the_largest_layer(tmp_path):
     proc = subprocess.run([sys.executable, "-c", MEASURE.format(src=str(src), out=str(tmp_path / "out"),
                                                                 preset=str(preset))],
                           check=True, capture_output=True, text=True)
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    manifest = json.loads((tmp_path / "out" / "shard_manifest.json").read_text())
-    largest = max(lay["total_bytes"] for lay in manifest["layers"])
+    return tmp_path / "out", json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_peak_rss_is_bounded_by_the_largest_layer(big_output):
+    out, result = big_output
+    largest = largest_layer(out)
     peak = result["maxrss_kb"] * 1024
     bound = 2 * largest + 300 * MB
-    print(f"checkpoint {size / MB:.0f} MB, targets {result['target_bytes'] / MB:.0f} MB, largest layer "
-          f"{largest / MB:.1f} MB, peak RSS {peak / MB:.0f} MB, bound {bound / MB:.0f} MB")
+    print(f"targets {result['target_bytes'] / MB:.0f} MB, largest layer {largest / MB:.1f} MB, peak RSS "
+          f"{peak / MB:.0f} MB, bound {bound / MB:.0f} MB")
+    assert result["target_bytes"] > 200 * MB
+    assert peak < bound
+
+
+@pytest.mark.slow
+def test_reshard_peak_rss_is_bounded_by_the_largest_layer(big_output):
+    out, _ = big_output
+    new = out.parent / "new"
+    proc = subprocess.run([sys.executable, "-c", RESHARD.format(out=str(out), new=str(new))],
+                          check=True, capture_output=True, text=True)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    largest = max(largest_layer(out), largest_layer(new))  # |T| for 8 ranks and for 3
+    peak = result["maxrss_kb"] * 1024
+    bound = 2 * largest + 300 * MB
+    print(f"largest layer {largest / MB:.1f} MB, reshard peak RSS {peak / MB:.0f} MB, bound {bound / MB:.0f} MB")
     assert result["target_bytes"] > 200 * MB
     assert peak < bound

@@ -13,6 +13,7 @@ from .inspect import inspect_command
 from .plan import plan_command
 from .presets import presets_command
 from .profile import profile_command
+from .reshard import reshard_command
 from .run import run_command
 from .validate import validate_command
 
@@ -42,6 +43,7 @@ def _root(
 
 
 app.command("convert")(convert_command)
+app.command("reshard")(reshard_command)
 app.command("validate")(validate_command)
 app.command("inspect")(inspect_command)
 app.command("presets")(presets_command)

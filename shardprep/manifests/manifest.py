@@ -102,6 +102,7 @@ class Manifest:
     replicated_files: tuple[FileRecord, ...] = ()
     selection: dict[str, Any] | None = None
     requant_options: dict[str, Any] | None = None
+    resharded_from: dict[str, Any] | None = None
     version: int = VERSION
 
     @property
@@ -173,6 +174,8 @@ class Manifest:
         if self.version >= 2:
             data["selection"] = self.selection
             data["requant_options"] = self.requant_options
+            if self.resharded_from is not None:  # only outputs of `reshard` carry it
+                data["resharded_from"] = self.resharded_from
         data["created_by"] = self.created_by
         if self.version >= 2:
             data[SELF_DIGEST_KEY] = UNSEALED
@@ -234,6 +237,7 @@ class Manifest:
                                    for f in data.get("replicated_files", ())),
             selection=data.get("selection"),
             requant_options=data.get("requant_options"),
+            resharded_from=data.get("resharded_from"),
             version=version,
         )
         problems = check_invariants(m) if check else []

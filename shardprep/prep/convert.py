@@ -89,15 +89,7 @@ def convert(
     >>> convert("Qwen/Qwen3-30B-A3B", "out/", ranks=8, preset="qwen3-moe")  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-        raise ShardprepError(f"--ranks must be >= 1, got {ranks!r}")
-    if ranks > MAX_WORLD_SIZE:
-        raise ShardprepError(f"--ranks {ranks} is above the maximum of {MAX_WORLD_SIZE} ranks (docs/format.md)")
-    try:
-        mode = CopyMode(copy_mode)
-    except ValueError:
-        raise ShardprepError(f"--copy-mode {copy_mode!r}: expected one of auto, link, copy") from None
-    parse_chunk_alignment(chunk_alignment)  # a bad option fails before the source is read
+    mode = check_write_options(ranks, copy_mode, chunk_alignment)  # before the source is read
     out = Path(out)
     ckpt = open_source(src, revision)
     if not dry_run:
@@ -116,6 +108,24 @@ def convert(
         result = write_plan(plan, tmp, mode.value, progress)
     return _summary(out, plan, t0, linked=result.linked_files, copied=result.copied_files,
                     replicated_tensors=result.replicated_tensors, replicated_bytes=result.replicated_bytes)
+
+
+def check_write_options(ranks: object, copy_mode: CopyMode | str, chunk_alignment: str | int) -> CopyMode:
+    """Refuse a bad `--ranks`, `--copy-mode` or `--chunk-alignment` (convert's and reshard's) with one line.
+
+    >>> check_write_options(8, "auto", "2MiB")
+    <CopyMode.AUTO: 'auto'>
+    """
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ShardprepError(f"--ranks must be >= 1, got {ranks!r}")
+    if ranks > MAX_WORLD_SIZE:
+        raise ShardprepError(f"--ranks {ranks} is above the maximum of {MAX_WORLD_SIZE} ranks (docs/format.md)")
+    try:
+        mode = CopyMode(copy_mode)
+    except ValueError:
+        raise ShardprepError(f"--copy-mode {copy_mode!r}: expected one of auto, link, copy") from None
+    parse_chunk_alignment(chunk_alignment)
+    return mode
 
 
 def _summary(out: Path, plan: ConvertPlan, t0: float, *, dry_run: bool = False, linked: Sequence[str] = (),

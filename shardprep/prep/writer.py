@@ -48,6 +48,8 @@ from .writeback import Writeback
 # (copy_file_range), so one thread per core keeps every core copying; more would only queue on the disk.
 COPY_THREADS = min(4, os.cpu_count() or 1)
 
+CREATED_BY = f"shardprep {__version__}"  # the manifest's `created_by`
+
 Progress = Callable[[int, int], None]
 """progress(bytes_done, bytes_total), called as work advances."""
 
@@ -102,15 +104,23 @@ def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
         writeback.finish()  # before the index: its fsync would otherwise wait for all of the data
         linked, copied, rep_tensors, rep_bytes = replicated.write_index(results)
     _copy_other_files(directory, plan)
-    manifest = replace(plan.skeleton_manifest(), layers=tuple(records), created_by=f"shardprep {__version__}",
+    manifest = replace(plan.skeleton_manifest(), layers=tuple(records), created_by=CREATED_BY,
                        replicated_files=_digest_replicated_files(directory, plan.world_size, replicated.digests))
+    write_manifest(directory, manifest)
+    return WriteResult(manifest, linked, copied, rep_tensors, rep_bytes)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Run a reader's checks on `manifest`, then write it, sealed, as the directory's last file.
+
+    >>> write_manifest(Path("staging/"), manifest)  # doctest: +SKIP
+    """
     text = manifest.to_json()
     if len(text) > MAX_MANIFEST_BYTES:
         raise OutputError(f"{directory}: the manifest would be {len(text)} bytes, more than readers accept "
                           f"({MAX_MANIFEST_BYTES}); use fewer ranks")
     Manifest.from_dict(manifest.to_dict())  # the same checks a reader will run, before anything is visible
     write_atomically(directory / MANIFEST_NAME, text)
-    return WriteResult(manifest, linked, copied, rep_tensors, rep_bytes)
 
 
 def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, Callable[[], Any]],
@@ -125,7 +135,7 @@ def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, C
     records = []
     try:
         for path in paths:
-            _create_rank_file(path, plan.rank_header, plan.rank_file_bytes)
+            create_rank_file(path, plan.rank_header, plan.rank_file_bytes)
         for lay, file_offset in zip(plan.layouts, plan.file_offsets):
             flat = buf[: lay.total_bytes]
             at = 0
@@ -145,13 +155,7 @@ def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, C
                 lo, hi = chunk_range(r, lay.chunk_bytes)
                 chunk = flat[lo:hi]
                 sums.append(digest(chunk))
-                with writing(path):
-                    fd = os.open(path, os.O_WRONLY)
-                    try:
-                        pwrite_all(fd, chunk, file_offset)
-                    finally:
-                        os.close(fd)
-                writeback.start(path, file_offset, len(chunk))  # fsynced by writeback.finish, with the rest
+                write_chunk(path, chunk, file_offset, writeback)
             records.append(LayerRecord.from_layout(lay, file_offset, tuple(sums)))
     except OSError as exc:
         raise OutputError(f"{directory.parent}: writing rank files failed ({exc.strerror or exc})") from None
@@ -160,9 +164,12 @@ def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, C
     return records
 
 
-def _create_rank_file(path: Path, header: bytes, size: int) -> None:
-    # The header first; the rest of the file is a hole until the chunks are written, and the gaps between
-    # chunks stay holes, which read as zeros.
+def create_rank_file(path: Path, header: bytes, size: int) -> None:
+    """Create a rank file of `size` bytes holding `header`; the rest is a hole until the chunks are written,
+    and the gaps between chunks stay holes, which read as zeros.
+
+    >>> create_rank_file(Path("staging/shards/rank-00000-of-00002.safetensors"), header, 1 << 20)  # doctest: +SKIP
+    """
     with writing(path):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -170,6 +177,21 @@ def _create_rank_file(path: Path, header: bytes, size: int) -> None:
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
+
+
+def write_chunk(path: Path, chunk: memoryview, file_offset: int, writeback: Writeback) -> None:
+    """Write one rank's chunk of a layer into its rank file, opened for this write alone, and start its disk
+    write (fsynced by `writeback.finish`, with the rest).
+
+    >>> write_chunk(Path("staging/shards/rank-00000-of-00002.safetensors"), chunk, 4096, writeback)  # doctest: +SKIP
+    """
+    with writing(path):
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            pwrite_all(fd, chunk, file_offset)
+        finally:
+            os.close(fd)
+    writeback.start(path, file_offset, len(chunk))
 
 
 class _SourceFiles:
@@ -218,7 +240,7 @@ class _ReplicatedWriter:
             return None  # every tensor of this file became a target: drop the file
         dest.parent.mkdir(parents=True, exist_ok=True)
         if f.tensors is None:
-            linked = _link_or_copy(sf.path, dest, self.copy_mode)
+            linked = link_or_copy(sf.path, dest, self.copy_mode)
             if not linked:
                 self.writeback.start(dest, 0, sf.size)
             self._digest(f.out_name)
@@ -286,8 +308,13 @@ def _digest_replicated_files(directory: Path, world_size: int,
     return tuple(sorted(records, key=lambda f: f.path))
 
 
-def _link_or_copy(src: Path, dest: Path, mode: str) -> bool:
-    """Hard-link when allowed and possible (same filesystem); returns True when linked. A copy keeps the mode."""
+def link_or_copy(src: Path, dest: Path, mode: str) -> bool:
+    """Hard-link when allowed and possible (same filesystem); returns True when linked. A copy keeps the mode.
+
+    `mode` is a CopyMode value: auto, link (refuse to copy) or copy.
+
+    >>> link_or_copy(Path("my-model/config.json"), Path("staging/config.json"), "auto")  # doctest: +SKIP
+    """
     real = src.resolve()  # hub snapshots are symlinks into blobs/: link the blob itself
     if mode in ("auto", "link"):
         try:
@@ -332,31 +359,43 @@ def output_bytes(plan: ConvertPlan, out: Path, copy_mode: str = "auto") -> int:
 
     >>> needed = output_bytes(plan, Path("out/"))  # doctest: +SKIP
     """
-    def blocks(n: int) -> int:
-        return -(-n // 4096) * 4096
-
-    dest_dev = os.stat(_nearest_existing(Path(os.path.abspath(out)))).st_dev
+    dest_dev = output_device(out)
     ckpt = plan.source
-    total = plan.world_size * blocks(plan.rank_file_bytes)
+    total = plan.world_size * disk_bytes(plan.rank_file_bytes)
     for f in plan.replicated:
         sf = ckpt.files[f.name]
         if f.tensors is None:
             linked = copy_mode != "copy" and os.stat(sf.path).st_dev == dest_dev
-            total += 0 if linked else blocks(sf.size)
+            total += 0 if linked else disk_bytes(sf.size)
         elif f.tensors:
             header = min(ckpt.tensors[name].start for name in sf.tensors)  # 8 + the source header
-            total += blocks(header + sum(t.nbytes for t in f.tensors))
+            total += disk_bytes(header + sum(t.nbytes for t in f.tensors))
     for rel in plan.other_files:
-        total += blocks(os.stat(ckpt.root / rel).st_size)
+        total += disk_bytes(os.stat(ckpt.root / rel).st_size)
     # The index and the manifest: a few hundred bytes per tensor at most.
-    total += blocks(1024 * (len(ckpt.tensors) + 16))
+    total += disk_bytes(1024 * (len(ckpt.tensors) + 16))
     return total
 
 
-def _nearest_existing(path: Path) -> Path:
+def disk_bytes(n: int) -> int:
+    """`n` rounded up to whole 4 KiB blocks: at most what a file of `n` bytes takes on disk.
+
+    >>> disk_bytes(1), disk_bytes(4096), disk_bytes(0)
+    (4096, 4096, 0)
+    """
+    return -(-n // 4096) * 4096
+
+
+def output_device(out: Path) -> int:
+    """The device (`st_dev`) of the filesystem `out` is or will be on: that of its nearest existing ancestor.
+
+    >>> output_device(Path("no/such/dir")) == os.stat(".").st_dev
+    True
+    """
+    path = Path(os.path.abspath(out))
     while not path.exists() and path.parent != path:
         path = path.parent
-    return path
+    return os.stat(path).st_dev
 
 
 def write_atomically(path: Path, text: str) -> None:
