@@ -406,7 +406,7 @@ def main(argv=None) -> int:
         if torch.cuda.device_count() < args.world:
             print(f"needs {args.world} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
             return 2
-    from shardprep.runtime.profile import launch_local
+    from shardprep.runtime.launch import launch_local
 
     t = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:

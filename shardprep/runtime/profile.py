@@ -21,10 +21,8 @@ builds DIR's transformers model (`build_model`) and runs `profile_binding`; rank
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +37,7 @@ from ..manifests.manifest import load_manifest
 from ..manifests.profile_format import BackendTimes, LayerTimes, Profile
 from .binding import Binding, bind
 from .gatherer import LayerGatherer
+from .launch import launch_local
 from .resident_weights import ResidentWeights
 from .timing import DeviceClock, Mark, median, slowest
 
@@ -327,36 +326,3 @@ def profile(directory: str | Path, nproc: int | None, options: ProfileOptions) -
     if not isinstance(result, Profile):
         raise RuntimeShardError("rank 0 returned no profile")
     return result
-
-
-def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any) -> list[Any]:
-    """`entrypoint(*args)` in `nproc` local processes started by torch's elastic launcher (what torchrun
-    uses; each gets RANK, WORLD_SIZE, MASTER_ADDR, ...); their return values by rank.
-
-    A failing rank stops the others; its error becomes one RuntimeShardError.
-
-    >>> launch_local(profile_worker, 2, "out/", ProfileOptions())  # doctest: +SKIP
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    # As torchrun does: N processes each using every core would oversubscribe the machine.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shardprep-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn")
-    elastic = logging.getLogger("torch.distributed.elastic")
-    level = elastic.level
-    elastic.setLevel(logging.ERROR)  # the agent's INFO/WARNING chatter is not the user's output
-    try:
-        results = elastic_launch(config, entrypoint)(*args)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        text = str(message).strip().splitlines()[0] if str(message).strip() else f"exit code {failure.exitcode}"
-        raise RuntimeShardError(f"rank {rank} failed: {text}; the others were stopped") from None
-    finally:
-        elastic.setLevel(level)
-    return [results[r] for r in range(nproc)]

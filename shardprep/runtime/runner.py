@@ -161,31 +161,10 @@ def launch(options: RunOptions, nproc: int | None = None) -> None:
 
     >>> launch(RunOptions(Path("out/")), nproc=2)  # doctest: +SKIP
     """
-    import logging
-    import uuid
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from .launch import launch_local
 
     manifest = check_options(options, nproc)
-    n = manifest.world_size
-    # Like torchrun: N processes each using every core would oversubscribe the machine.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"shardprep-{uuid.uuid4().hex}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn")
-    elastic = logging.getLogger("torch.distributed.elastic")
-    level = elastic.level
-    elastic.setLevel(logging.ERROR)  # the agent's INFO/WARNING chatter is not the user's output
-    try:
-        elastic_launch(config, sys.executable)("-m", "shardprep.run", *options.worker_argv())
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        raise RuntimeShardError(
-            f"rank {rank} exited with status {failure.exitcode} (its message is above); the others were stopped"
-        ) from None
-    finally:
-        elastic.setLevel(level)
+    launch_local(sys.executable, manifest.world_size, "-m", "shardprep.run", *options.worker_argv())
 
 
 def check_options(options: RunOptions, nproc: int | None = None) -> Manifest:
