@@ -14,9 +14,9 @@ from ..manifests.manifest import Manifest, load_manifest
 from ..manifests.paths import resolve_inside
 from ..manifests.replicated import MAX_INDEX_BYTES
 from ..manifests.strict_json import is_int, read_json_file
+from .source import read_config
 
 # A model's config.json is kilobytes; a larger one is refused unread.
-MAX_CONFIG_BYTES = 16 << 20
 
 DEFAULT_HBM_BYTES = 141 * 10**9  # one H200
 DEFAULT_CONTEXT_LEN = 8192
@@ -40,7 +40,7 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
     aliased = zero_copy_applies(alignment)
     memory = account(m, non_target_bytes=replicated_bytes(root, m), num_slots=num_slots, aliased_own_chunk=aliased)
     config_path = root / "config.json"
-    config = _read_config(config_path)
+    config = read_config(root)
     try:
         kv = kv_cache_shape(config, kv_dtype, where=str(config_path)) if config else None
     except (TypeError, ValueError, ArithmeticError) as exc:  # a field of the wrong type or value
@@ -95,15 +95,3 @@ def replicated_bytes(directory: str | Path, manifest: Manifest) -> int:
     metadata = index.get("metadata") if isinstance(index, dict) else None
     total = metadata.get("total_size") if isinstance(metadata, dict) else None
     return total if isinstance(total, int) and is_int(total) and total >= 0 else 0
-
-
-def _read_config(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        config = read_json_file(path, max_bytes=MAX_CONFIG_BYTES, what="config.json", allow_duplicate_keys=True)
-    except IntegrityError as exc:
-        raise SourceError(str(exc)) from None
-    if not isinstance(config, dict):
-        raise SourceError(f"{path}: not a JSON object")
-    return config

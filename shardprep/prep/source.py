@@ -69,16 +69,7 @@ class SourceCheckpoint:
     @property
     def config(self) -> dict[str, Any] | None:
         """config.json as a dict (None when there is none); a file that is not a JSON object is a SourceError."""
-        path = self.root / "config.json"
-        if not path.is_file():
-            return None
-        try:
-            data = read_json_file(path, max_bytes=MAX_CONFIG_BYTES, what="config.json", allow_duplicate_keys=True)
-        except IntegrityError as exc:
-            raise SourceError(str(exc)) from None
-        if not isinstance(data, dict):
-            raise SourceError(f"{path}: not a JSON object")
-        return data
+        return read_config(self.root)
 
     def read_tensor(self, name: str) -> bytes:
         """One tensor's bytes, straight from its file.
@@ -116,6 +107,24 @@ def read_safetensors_header(path: str | Path) -> SafetensorsHeader:
         return read_header_strictly(path)
     except IntegrityError as exc:
         raise SourceError(str(exc)) from None
+
+
+def read_config(directory: Path) -> dict[str, Any] | None:
+    """`directory`'s config.json as a dict, None when there is none; a file that is not a JSON object (or
+    is too large, or has bad JSON) is a SourceError naming it.
+
+    >>> read_config(Path("out/"))["model_type"]  # doctest: +SKIP
+    """
+    path = directory / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = read_json_file(path, max_bytes=MAX_CONFIG_BYTES, what="config.json", allow_duplicate_keys=True)
+    except IntegrityError as exc:
+        raise SourceError(str(exc)) from None
+    if not isinstance(data, dict):
+        raise SourceError(f"{path}: not a JSON object")
+    return data
 
 
 @dataclass(frozen=True)
