@@ -79,6 +79,7 @@ def engines(checkpoint_cache, tmp_path_factory):
         run("flipped chunk byte", bad_chunk, **SHARDPREP),
         run("missing rank file", missing_rank, **SHARDPREP),
         run("not a convert output", src, **SHARDPREP),
+        run("vLLM's default loader on OUT", out, **BASE),
         run("sharded, DP size 1 for 2 ranks", moe, **SHARDPREP, model_loader_extra_config={"shard_weights": True}),
         run("sharded, dense model", out, **SHARDPREP, model_loader_extra_config={"shard_weights": True}),
         run("sharded, compiled", out, **{**SHARDPREP, "enforce_eager": False},
@@ -122,6 +123,12 @@ def test_an_incomplete_directory_stops_the_engine_naming_the_missing_file(engine
 def test_a_directory_that_is_not_a_convert_output_stops_the_engine(engines):
     error = engines[0]["not a convert output"].get("error", "")
     assert error.startswith("ManifestError: ") and "shard_manifest.json: not found" in error
+
+
+def test_vllms_default_loader_refuses_the_output_naming_the_sentinel_file(engines):
+    # No trap for plain loaders (docs/format.md): the index names every target's file as one that does not exist.
+    error = engines[0]["vLLM's default loader on OUT"].get("error", "")
+    assert "TARGETS-ARE-SHARDED-see-shard_manifest.json-load-with-shardprep.safetensors" in error, error
 
 
 def test_a_flipped_byte_in_a_replicated_file_stops_the_engine_naming_the_file(engines):
