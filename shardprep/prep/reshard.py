@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import IntegrityError
 from ..manifests.checksums import digest, file_digest
 from ..manifests.exact_read import open_for_reading, pread_exact
-from ..manifests.layout import Entry, chunk_range
+from ..manifests.layout import chunk_range
 from ..manifests.manifest import FileRecord, LayerRecord, Manifest, rank_file_name
 from .convert import CopyMode, check_write_options
 from .output_dir import check_output_dir, staged_output
@@ -165,7 +165,9 @@ def _move_layers(plan: ReshardPlan, source: ReshardInput, directory: Path, write
     for move in plan.moves:
         _read_layer(source, move.source, buf[:move.source.total_bytes])
         flat = buf[:move.layout.total_bytes]
-        _zero_padding(flat, move.layout.entries)
+        # Below the last entry T's bytes are the N chunks' (checked, padding included); above it they are
+        # zero by the format, and the buffer may still hold a longer layer's bytes there.
+        flat[move.used_bytes:] = bytes(len(flat) - move.used_bytes)
         sums = []
         for r, path in enumerate(paths):
             lo, hi = chunk_range(r, move.layout.chunk_bytes)
@@ -188,17 +190,6 @@ def _read_layer(source: ReshardInput, record: LayerRecord, flat: memoryview) -> 
         if digest(flat[lo:hi]) != record.checksums[r]:
             raise IntegrityError(f"{path}: layer {record.layer} chunk checksum mismatch (file corrupt or modified); "
                                  "copy it again", code="checksum_mismatch", file=str(path), layer=record.layer)
-
-
-def _zero_padding(flat: memoryview, entries: tuple[Entry, ...]) -> None:
-    # T's bytes outside the entries are zero by the format; the tail above the last entry also holds what
-    # the buffer held before when T for M is longer than T for N.
-    at = 0
-    for e in entries:
-        if e.offset > at:
-            flat[at:e.offset] = bytes(e.offset - at)
-        at = e.offset + e.nbytes
-    flat[at:] = bytes(len(flat) - at)
 
 
 def _carry(source: ReshardInput, record: FileRecord, directory: Path, mode: CopyMode, writeback: Writeback) -> bool:
