@@ -11,7 +11,6 @@ input's with the new layout and a `resharded_from` record, is written last.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from .writer import (
     COPY_THREADS,
     CREATED_BY,
     Progress,
+    carried_bytes,
     create_rank_file,
     disk_bytes,
     link_or_copy,
@@ -213,8 +213,7 @@ def _output_bytes(plan: ReshardPlan, source: ReshardInput, new: Path, mode: Copy
     device = output_device(new)
     total = plan.world_size * disk_bytes(plan.rank_layout.rank_file_bytes)
     for f in plan.source.replicated_files:
-        linked = mode != CopyMode.COPY and os.stat(source.root / f.path).st_dev == device
-        total += 0 if linked else disk_bytes(f.size)
+        total += carried_bytes(source.root / f.path, f.size, mode.value, device)
     # The manifest: the input's records with M checksums of 32 hex digits (and JSON around them) per layer.
     skeleton = plan.skeleton_manifest({}).to_json()
     return total + disk_bytes(len(skeleton) + 64 * plan.world_size * len(plan.moves))

@@ -365,8 +365,7 @@ def output_bytes(plan: ConvertPlan, out: Path, copy_mode: str = "auto") -> int:
     for f in plan.replicated:
         sf = ckpt.files[f.name]
         if f.tensors is None:
-            linked = copy_mode != "copy" and os.stat(sf.path).st_dev == dest_dev
-            total += 0 if linked else disk_bytes(sf.size)
+            total += carried_bytes(sf.path, sf.size, copy_mode, dest_dev)
         elif f.tensors:
             header = min(ckpt.tensors[name].start for name in sf.tensors)  # 8 + the source header
             total += disk_bytes(header + sum(t.nbytes for t in f.tensors))
@@ -375,6 +374,18 @@ def output_bytes(plan: ConvertPlan, out: Path, copy_mode: str = "auto") -> int:
     # The index and the manifest: a few hundred bytes per tensor at most.
     total += disk_bytes(1024 * (len(ckpt.tensors) + 16))
     return total
+
+
+def carried_bytes(src: Path, size: int, copy_mode: str, dest_dev: int) -> int:
+    """Disk bytes a file taken over whole costs next to the output: 0 when `link_or_copy` will hard-link it
+    (any mode but copy, the same filesystem), else its size in blocks.
+
+    >>> here = os.stat(__file__).st_dev
+    >>> carried_bytes(Path(__file__), 5000, "auto", here), carried_bytes(Path(__file__), 5000, "copy", here)
+    (0, 8192)
+    """
+    linked = copy_mode != "copy" and os.stat(src).st_dev == dest_dev
+    return 0 if linked else disk_bytes(size)
 
 
 def disk_bytes(n: int) -> int:
