@@ -202,7 +202,7 @@ def test_not_enough_free_space_is_refused_with_needed_and_available(tmp_path):
     with pytest.raises(OutputError) as info:
         with staged_output(out, needed_bytes=3 << 30, free_space=lambda parent: 512 << 20):
             raise AssertionError("the block must not run")
-    assert str(info.value) == (f"{tmp_path}: needs 3.0 GiB for {out}, 512.0 MiB available; "
+    assert str(info.value) == (f"{tmp_path}: needs 3.00 GiB for {out}, 512.00 MiB available; "
                                "free some space or choose another location")
     assert list(tmp_path.iterdir()) == []
 
@@ -212,7 +212,7 @@ def test_convert_checks_free_space_before_writing(old_output, monkeypatch):
     before = tree(out)
     monkeypatch.setattr(output_dir, "disk_free", lambda parent: 1000)
     result = runner.invoke(app, ["convert", str(src), str(out), "--ranks", "2", "--preset", "llama", "--overwrite"])
-    one_line_error(result, f"{out.parent}: needs ", f"for {out}, 1000 bytes available")
+    one_line_error(result, f"{out.parent}: needs ", f"for {out}, 1000 B available")
     assert tree(out) == before and hidden_entries(out.parent) == []
 
 

@@ -256,7 +256,7 @@ def test_free_space_is_checked_before_writing(out8, tmp_path, monkeypatch):
     monkeypatch.setattr(output_dir, "disk_free", lambda parent: 1000)
     result = runner.invoke(app, ["reshard", str(out8), str(new), "--ranks", "4"])
     one_line_error(result, f"{tmp_path}: needs ")
-    assert "1000 bytes available" in result.stderr and not new.exists()
+    assert "1000 B available" in result.stderr and not new.exists()
 
 
 def test_needed_bytes_cover_what_reshard_writes_and_hard_links_cost_nothing(out8, tmp_path):

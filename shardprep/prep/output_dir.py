@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import OutputError, ShardprepError
+from ..manifests.accounting import human_bytes
 from ..manifests.manifest import MANIFEST_NAME  # what marks a directory as a shardprep output
 
 STAGING_MARK = ".shardprep-tmp-"
@@ -139,8 +140,8 @@ def staged_output(out: str | Path, *, inputs: Sequence[Path] = (), overwrite: bo
         _remove_abandoned(txn.parent, txn.name)
         available = (free_space or disk_free)(txn.parent)
         if needed_bytes > available:
-            raise OutputError(f"{txn.parent}: needs {_size(needed_bytes)} for {out}, {_size(available)} available; "
-                              "free some space or choose another location")
+            raise OutputError(f"{txn.parent}: needs {human_bytes(needed_bytes)} for {out}, {human_bytes(available)} "
+                              "available; free some space or choose another location")
         txn.begin()
         yield txn.staging
         txn.commit()
@@ -471,9 +472,3 @@ def _describe(exc: OSError) -> str:
         return "disk quota exceeded"
     return exc.strerror or str(exc)
 
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
