@@ -83,42 +83,52 @@ class RankShards:
         self.buffer = moved
 
     def load_replicated(self, device: str | torch.device = "cpu", verify: bool = True) -> dict[str, torch.Tensor]:
-        """Every non-target tensor, read from the output directory's safetensors files onto `device`.
-
-        The index and every file go through the strict reader `validate` uses: safe paths only, sizes
-        as the manifest says, headers the safetensors library accepts holding exactly what the index
-        lists, and with `verify` (the default) each file's XXH3-128 checked before it is loaded, which
-        reads it once more. Raises IntegrityError naming the file otherwise.
+        """Every non-target tensor of the directory these shards came from: `load_replicated(DIR, ...)`.
 
         >>> rest = shards.load_replicated("cuda:0")  # doctest: +SKIP
         >>> rest["model.embed_tokens.weight"].shape  # doctest: +SKIP
         """
-        from safetensors.torch import load_file
-
         if self.directory is None:
             raise RuntimeShardError("these shards were not opened from a directory; use open_rank(DIR, rank)")
-        index, problems = read_replicated_index(self.directory, self.manifest, verify=verify)
-        if problems:
-            raise problems[0].error()
-        out: dict[str, torch.Tensor] = {}
-        for name in index.files():
-            if name == NOTICE_FILE and self.manifest.version >= 2:
-                continue
-            path = check_replicated_file(self.directory, self.manifest, name, verify=verify)
-            held = set(read_safetensors_header(path).tensors)
-            listed = index.tensors_of(name)
-            if held != listed:
-                odd = sorted(held ^ listed)[0]
-                raise IntegrityError(f"{name}: does not hold exactly the tensors {self.manifest.replicated_index} "
-                                     f"maps to it ({odd!r} differs); copy the whole output directory again",
-                                     code="index_mismatch", file=name, tensor=odd)
-            try:
-                out.update(load_file(path, device=str(torch.device(device))))
-            except Exception as exc:  # the library's own SafetensorError, or torch lacking a dtype
-                raise IntegrityError(f"{name}: the safetensors library cannot load it "
-                                     f"({' '.join(str(exc).split())[:200]})", code="invalid_safetensors",
-                                     file=name) from None
-        return out
+        return load_replicated(self.directory, self.manifest, device, verify)
+
+
+def load_replicated(directory: str | Path, manifest: Manifest, device: str | torch.device = "cpu",
+                    verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every non-target tensor, read from the output directory's safetensors files onto `device`.
+
+    The index and every file go through the strict reader `validate` uses: safe paths only, sizes
+    as the manifest says, headers the safetensors library accepts holding exactly what the index
+    lists, and with `verify` (the default) each file's XXH3-128 checked before it is loaded, which
+    reads it once more. Raises IntegrityError naming the file otherwise. No rank file is read.
+
+    >>> rest = load_replicated("out/", load_manifest("out/"))  # doctest: +SKIP
+    """
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    index, problems = read_replicated_index(directory, manifest, verify=verify)
+    if problems:
+        raise problems[0].error()
+    out: dict[str, torch.Tensor] = {}
+    for name in index.files():
+        if name == NOTICE_FILE and manifest.version >= 2:
+            continue
+        path = check_replicated_file(directory, manifest, name, verify=verify)
+        held = set(read_safetensors_header(path).tensors)
+        listed = index.tensors_of(name)
+        if held != listed:
+            odd = sorted(held ^ listed)[0]
+            raise IntegrityError(f"{name}: does not hold exactly the tensors {manifest.replicated_index} "
+                                 f"maps to it ({odd!r} differs); copy the whole output directory again",
+                                 code="index_mismatch", file=name, tensor=odd)
+        try:
+            out.update(load_file(path, device=str(torch.device(device))))
+        except Exception as exc:  # the library's own SafetensorError, or torch lacking a dtype
+            raise IntegrityError(f"{name}: the safetensors library cannot load it "
+                                 f"({' '.join(str(exc).split())[:200]})", code="invalid_safetensors",
+                                 file=name) from None
+    return out
 
 
 def open_rank(
@@ -232,12 +242,6 @@ def copy_through_staging(dst: torch.Tensor, src: mmap.mmap | bytes | memoryview,
         view.release()
 
 
-def _check_header(manifest: Manifest, mapped: mmap.mmap, file: Path) -> None:
-    expected = manifest.rank_header
-    if mapped[:len(expected)] != expected:
-        raise IntegrityError(f"{file}: its safetensors header is not the one the manifest implies (a rank file of "
-                             "another conversion, or corrupt); copy it again", code="rank_header_mismatch",
-                             file=str(file))
 
 
 def _verify(manifest: Manifest, rank: int, mapped: mmap.mmap, file: Path) -> None:
@@ -252,3 +256,11 @@ def _verify(manifest: Manifest, rank: int, mapped: mmap.mmap, file: Path) -> Non
                 )
     finally:
         view.release()
+
+
+def _check_header(manifest: Manifest, mapped: mmap.mmap, file: Path) -> None:
+    expected = manifest.rank_header
+    if mapped[:len(expected)] != expected:
+        raise IntegrityError(f"{file}: its safetensors header is not the one the manifest implies (a rank file of "
+                             "another conversion, or corrupt); copy it again", code="rank_header_mismatch",
+                             file=str(file))

@@ -15,8 +15,8 @@ from torch import nn
 
 from ...errors import ShardprepError
 from ...loader.full_targets import iter_full_targets
-from ...loader.rank_shards import RankShards
-from ...manifests.manifest import Manifest, load_manifest
+from ...loader.rank_shards import load_replicated
+from ...manifests.manifest import load_manifest
 
 
 def output_weights(directory: str | Path, verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -28,7 +28,7 @@ def output_weights(directory: str | Path, verify: bool = True) -> Iterator[tuple
     >>> model.load_weights(output_weights("out/"))  # doctest: +SKIP
     """
     manifest = load_manifest(directory)
-    yield from _replicated(Path(directory), manifest, verify).items()
+    yield from load_replicated(directory, manifest, "cpu", verify).items()
     yield from iter_full_targets(directory, verify=verify, manifest=manifest)
 
 
@@ -59,9 +59,3 @@ def check_all_loaded(model: nn.Module, loaded: Iterable[str] | None, directory: 
         raise ShardprepError(f"{directory}: the model's parameter {missing[0]!r}{more} is in no tensor of the "
                              "output; was it converted from this model?")
 
-
-def _replicated(directory: Path, manifest: Manifest, verify: bool) -> dict[str, torch.Tensor]:
-    # Full mode maps no rank file into memory, and load_replicated reads only the directory's
-    # safetensors files: a RankShards over a meta buffer (no storage) is all it needs.
-    unloaded = torch.empty(manifest.rank_file_bytes, dtype=torch.uint8, device="meta")
-    return RankShards(manifest, 0, unloaded, directory).load_replicated("cpu", verify=verify)
