@@ -21,6 +21,7 @@ from ..manifests.exact_read import open_for_reading, pread_exact, read_exact
 from ..manifests.layout import Entry, chunk_range
 from ..manifests.manifest import LayerRecord, Manifest, load_manifest
 from ..manifests.paths import resolve_inside
+from ..manifests.rank_file import check_rank_header
 
 
 def iter_full_targets(
@@ -75,10 +76,7 @@ def _open_rank_file(files: ExitStack, directory: Path, manifest: Manifest, rank:
     path = resolve_inside(directory, manifest.rank_files[rank], what=f"rank {rank}'s shard file")
     fd = files.enter_context(open_for_reading(path, f"rank {rank}'s shard file (full mode reads every rank's)"))
     header = manifest.rank_header
-    if header and read_exact(fd, len(header), 0, path) != header:
-        raise IntegrityError(f"{path}: its safetensors header is not the one the manifest implies (a rank file of "
-                             "another conversion, or corrupt); copy it again", code="rank_header_mismatch",
-                             file=str(path))
+    check_rank_header(read_exact(fd, len(header), 0, path) if header else b"", header, path, str(path))
     return fd, path
 
 

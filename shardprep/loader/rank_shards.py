@@ -20,6 +20,7 @@ from ..errors import IntegrityError, RuntimeShardError
 from ..manifests.checksums import digest
 from ..manifests.manifest import MANIFEST_NAME, Manifest, load_manifest
 from ..manifests.paths import resolve_inside
+from ..manifests.rank_file import check_rank_header
 from ..manifests.replicated import NOTICE_FILE, check_replicated_file, read_replicated_index
 from ..manifests.safetensors_header import read_safetensors_header
 
@@ -182,7 +183,7 @@ def open_rank(
         raise RuntimeShardError(f"{file}: cannot read rank {rank}'s shard file "
                                 f"({getattr(exc, 'strerror', None) or exc})") from None
     try:
-        _check_header(manifest, mapped, file)
+        check_rank_header(mapped[:len(manifest.rank_header)], manifest.rank_header, file, str(file))
         if verify:
             _verify(manifest, rank, mapped, file)
         device = torch.device(device)
@@ -256,11 +257,3 @@ def _verify(manifest: Manifest, rank: int, mapped: mmap.mmap, file: Path) -> Non
                 )
     finally:
         view.release()
-
-
-def _check_header(manifest: Manifest, mapped: mmap.mmap, file: Path) -> None:
-    expected = manifest.rank_header
-    if mapped[:len(expected)] != expected:
-        raise IntegrityError(f"{file}: its safetensors header is not the one the manifest implies (a rank file of "
-                             "another conversion, or corrupt); copy it again", code="rank_header_mismatch",
-                             file=str(file))

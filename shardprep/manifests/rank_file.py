@@ -14,6 +14,7 @@ import json
 import struct
 from collections.abc import Sequence
 
+from ..errors import IntegrityError
 from .layout import align_up
 
 RANK_FILE_FORMAT = "shardprep/rank-file"
@@ -120,3 +121,15 @@ def header_json_bytes(header: bytes) -> int:
     True
     """
     return len(header.rstrip(b" "))
+
+
+def check_rank_header(head: bytes, expected: bytes, path: object, file: str) -> None:
+    """Refuse a rank file whose first bytes `head` are not the header `expected` (the manifest's
+    `rank_header`): IntegrityError naming `path`, with `file` as the problem's file.
+
+    >>> check_rank_header(b"abc", b"abc", "shards/rank-00000-of-00002.safetensors", "rank-0")
+    """
+    if head != expected:
+        raise IntegrityError(f"{path}: its safetensors header is not the one the manifest implies (a rank file of "
+                             "another conversion, or corrupt); copy it again", code="rank_header_mismatch",
+                             file=file)

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..errors import IntegrityError, ManifestError, ShardprepError
 from ..manifests.exact_read import open_for_reading, read_exact
 from ..manifests.manifest import MANIFEST_NAME, Manifest, load_manifest
+from ..manifests.rank_file import check_rank_header
 from .output_dir import is_staging_dir
 from .source import source_boundary
 
@@ -74,10 +75,7 @@ def _rank_file(root: Path, boundary: Path, rel: str, rank: int, manifest: Manife
                              "damaged); copy it again", code="rank_file_size", file=rel)
     header = manifest.rank_header
     with open_for_reading(path, "rank file") as fd:
-        if read_exact(fd, len(header), 0, path) != header:
-            raise IntegrityError(f"{path}: its safetensors header is not the one the manifest implies (a rank file "
-                                 "of another conversion, or corrupt); copy it again", code="rank_header_mismatch",
-                                 file=rel)
+        check_rank_header(read_exact(fd, len(header), 0, path), header, path, rel)
     return path
 
 
