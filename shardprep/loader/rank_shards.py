@@ -140,6 +140,7 @@ def open_rank(
     verify: bool = False,
     staging_bytes: int = 64 << 20,
     allocate: Allocate | None = None,
+    manifest: Manifest | None = None,
 ) -> RankShards:
     """Load `rank`'s shard file from an output directory of `shardprep convert` into one device buffer.
 
@@ -147,14 +148,15 @@ def open_rank(
     (no absolute path, `..` or symlink out), its size must be the manifest's, and (format version 2) its
     header must be the bytes the manifest implies. `verify=True` also checks this rank's XXH3-128
     checksum of every chunk before copying. `allocate(nbytes)` supplies the device buffer (default:
-    `torch.empty` on `device`), for backends that need registered or shareable memory.
+    `torch.empty` on `device`), for backends that need registered or shareable memory. `manifest`: DIR's,
+    when the caller has already loaded it (it is read again otherwise).
 
     >>> shards = open_rank("out/", rank=dist.get_rank(), world_size=dist.get_world_size(),
     ...                    device=f"cuda:{torch.cuda.current_device()}")  # doctest: +SKIP
     >>> shards.nbytes  # doctest: +SKIP
     """
     directory = Path(path)
-    manifest = load_manifest(directory)
+    manifest = load_manifest(directory) if manifest is None else manifest
     where = directory / MANIFEST_NAME
     n = manifest.world_size
     if world_size is not None and world_size != n:

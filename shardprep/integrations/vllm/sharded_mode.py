@@ -72,7 +72,8 @@ def load_sharded(
     """
     manifest = load_manifest(directory)
     check_layout(layout, manifest, directory)
-    shards = open_rank(directory, layout.dp_rank, world_size=layout.dp_size, device=layout.device, verify=verify)
+    shards = open_rank(directory, layout.dp_rank, world_size=layout.dp_size, device=layout.device, verify=verify,
+                       manifest=manifest)
     backend = "gloo" if layout.device.type == "cpu" else "nccl"
     # A group of its own, so that the gathers never interleave with vLLM's collectives.
     group = torch.distributed.new_group(list(layout.dp_world_ranks), backend=backend)
