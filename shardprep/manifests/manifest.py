@@ -30,7 +30,7 @@ from .layout import (
 )
 from .paths import is_safe_relpath
 from .problems import Problem, quoted
-from .rank_file import header_json, plan_rank_file, rank_file_header, rank_file_name
+from .rank_file import header_json_bytes, plan_rank_file, rank_file_header, rank_file_name
 from .strict_json import is_int, parse_json, read_capped
 
 FORMAT = "shardprep/weight-shard"
@@ -129,10 +129,7 @@ class Manifest:
 
         0 for version 1 files, which have no header.
         """
-        if self.version == 1 or not self.layers:
-            return 0
-        text = header_json([(r.layer, r.file_offset, r.chunk_bytes) for r in self.layers], self.world_size)
-        return min(self.layers[0].file_offset, 8 + len(text))
+        return header_json_bytes(self.rank_header)
 
     def layer(self, index: int) -> LayerRecord:
         for r in self.layers:
