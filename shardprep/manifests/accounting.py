@@ -152,14 +152,8 @@ def account(manifest: Manifest, non_target_bytes: int = 0, num_slots: int = 2, *
     # the padding that alignment added to the files is counted as padding, not as sharded weights.
     n = manifest.world_size
     unaligned = [n * align_up(-(-used_bytes(r.entries) // n), ENTRY_ALIGNMENT) for r in manifest.layers]
-    return account_layers(unaligned, n, num_slots=num_slots, chunk_alignment=manifest_chunk_alignment(manifest),
+    return account_layers(unaligned, n, num_slots=num_slots, chunk_alignment=manifest.chunk_alignment,
                           aliased_own_chunk=aliased_own_chunk, non_target_bytes=non_target_bytes)
-
-
-def manifest_chunk_alignment(manifest: Manifest) -> int:
-    """The alignment a manifest's chunks are padded to: its `chunk_alignment` where the format records one
-    (issue 14's layout option), else the 16-byte entry alignment every format version guarantees."""
-    return int(getattr(manifest, "chunk_alignment", None) or ENTRY_ALIGNMENT)
 
 
 def zero_copy_applies(chunk_alignment: int, device_type: str = "cuda") -> bool:

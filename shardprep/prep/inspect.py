@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import IntegrityError, ManifestError, SourceError
-from ..manifests.accounting import account, manifest_chunk_alignment, zero_copy_applies
+from ..manifests.accounting import account, zero_copy_applies
 from ..manifests.capacity import capacity
 from ..manifests.kv_cache import kv_cache_shape
 from ..manifests.layout import alignment_padding_bytes, used_bytes
@@ -36,7 +36,7 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
     """
     root = Path(directory)
     m = load_manifest(root)
-    alignment = manifest_chunk_alignment(m)
+    alignment = m.chunk_alignment
     aliased = zero_copy_applies(alignment)
     memory = account(m, non_target_bytes=replicated_bytes(root, m), num_slots=num_slots, aliased_own_chunk=aliased)
     config_path = root / "config.json"

@@ -27,7 +27,6 @@ from ..manifests.accounting import (
     MemoryAccount,
     account_layers,
     human_bytes,
-    manifest_chunk_alignment,
     zero_copy_applies,
 )
 from ..manifests.capacity import Capacity, capacity
@@ -366,4 +365,4 @@ def _read_converted(root: Path, request: PlanRequest) -> _Model:
     config = json.loads(config_path.read_text()) if config_path.is_file() else None
     unsharded = sum(r.total_bytes for r in manifest.layers if r not in records)
     return _Model("converted", sizes, replicated_bytes(root, manifest) + unsharded, config,
-                  request.chunk_alignment or manifest_chunk_alignment(manifest), tuple(notes))
+                  request.chunk_alignment or manifest.chunk_alignment, tuple(notes))
