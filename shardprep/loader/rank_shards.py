@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import IntegrityError, RuntimeShardError
+from ..manifests.capacity import STAGING_BYTES
 from ..manifests.checksums import digest
 from ..manifests.manifest import MANIFEST_NAME, Manifest, load_manifest
 from ..manifests.paths import resolve_inside
@@ -138,7 +139,7 @@ def open_rank(
     world_size: int | None = None,
     device: str | torch.device = "cpu",
     verify: bool = False,
-    staging_bytes: int = 64 << 20,
+    staging_bytes: int = STAGING_BYTES,
     allocate: Allocate | None = None,
     manifest: Manifest | None = None,
 ) -> RankShards:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LayoutError, SourceError
+from ..manifests.accounting import ZERO_COPY_MIN_ALIGNMENT
 from ..manifests.layout import (
     NO_CHUNK_ALIGNMENT,
     LayerLayout,
@@ -32,7 +33,7 @@ from .source import INDEX_NAME, SINGLE_NAME, SourceCheckpoint
 
 # What `--chunk-alignment auto` tries: the CUDA virtual-memory mapping granularity the zero-copy runtime
 # needs (issue 14), taken only when its padding costs at most AUTO_MAX_PADDING of Σ|T| per rank.
-AUTO_CHUNK_ALIGNMENT = 2 << 20
+AUTO_CHUNK_ALIGNMENT = ZERO_COPY_MIN_ALIGNMENT
 AUTO_MAX_PADDING = 0.01
 # transformers loads a top-level model.safetensors before it looks at the index, which would bypass the
 # sentinel: the replicated part of a single-file checkpoint gets the one-shard name instead.
