@@ -11,6 +11,7 @@ it too. shardprep's readers skip both.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +45,18 @@ class ReplicatedIndex:
 
     def files(self) -> list[str]:
         """Every safetensors file the index names (the notice file included, the sentinel not)."""
-        return sorted(set(self.weight_map.values()))
+        return sorted(self._by_file)
 
     def tensors_of(self, file: str) -> set[str]:
-        return {t for t, f in self.weight_map.items() if f == file}
+        return set(self._by_file.get(file, ()))
+
+    @cached_property
+    def _by_file(self) -> dict[str, list[str]]:
+        # Grouped once: a loader asks for every file's tensors, and a scan per file is files × tensors.
+        by_file: dict[str, list[str]] = {}
+        for tensor, file in self.weight_map.items():
+            by_file.setdefault(file, []).append(tensor)
+        return by_file
 
 
 def read_replicated_index(root: str | Path, manifest: Manifest, *,
