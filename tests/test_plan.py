@@ -104,6 +104,19 @@ def test_a_converted_directory_that_saves_nothing_does_not_pay_and_says_why(chec
     assert report["every_layer"]["memory"]["saved_bytes"] == json.loads(inspected.stdout)["totals"]["saved_bytes"]
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_plan_counts_chunk_alignment_padding_as_inspect_does(checkpoint_cache, tmp_path, ranks):
+    # Converted for 2 ranks with 64 KiB chunks: most of each chunk is padding, which must not count as saved
+    # weights, whether the plan is for the directory's own N or another.
+    out = tmp_path / "out"
+    convert(checkpoint_cache("llama"), out, 2, preset="llama", chunk_alignment="64KiB")
+    memory = plan_json(out, "--ranks", ranks)["every_layer"]["memory"]
+    if ranks == 2:
+        totals = json.loads(CliRunner().invoke(app, ["inspect", str(out), "--json"]).stdout)["totals"]
+        assert (memory["saved_bytes"], memory["padding_bytes"]) == (totals["saved_bytes"], totals["padding_bytes"])
+    assert memory["padding_bytes"] > 0 and memory["saved_bytes"] < 0
+
+
 def test_the_printed_plan_ends_with_its_verdict_and_names_the_convert_argument(llama8, tmp_path):
     profile = write_profile(tmp_path / "p.json", tokens=(16, 128), compute_ms=(1.0, 2.0), gather_ms=1.6)
     result = CliRunner().invoke(app, ["plan", str(llama8), "--ranks", "8", "--preset", "llama", "--profile",

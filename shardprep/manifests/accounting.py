@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .layout import ENTRY_ALIGNMENT, align_up, used_bytes
+from .layout import ENTRY_ALIGNMENT, Entry, align_up, used_bytes
 from .manifest import Manifest
 
 ZERO_COPY_MIN_ALIGNMENT = 2 << 20
@@ -148,12 +148,24 @@ def account(manifest: Manifest, non_target_bytes: int = 0, num_slots: int = 2, *
     >>> a.sharded_bytes, a.local_chunk_bytes, a.gather_recv_bytes_per_forward
     (8192, 2048, 6144)
     """
-    # |T| as the 16-byte rule lays it out; account_layers pads C to the manifest's chunk alignment again, so
-    # the padding that alignment added to the files is counted as padding, not as sharded weights.
     n = manifest.world_size
-    unaligned = [n * align_up(-(-used_bytes(r.entries) // n), ENTRY_ALIGNMENT) for r in manifest.layers]
-    return account_layers(unaligned, n, num_slots=num_slots, chunk_alignment=manifest.chunk_alignment,
-                          aliased_own_chunk=aliased_own_chunk, non_target_bytes=non_target_bytes)
+    return account_layers([unaligned_total_bytes(r.entries, n) for r in manifest.layers], n, num_slots=num_slots,
+                          chunk_alignment=manifest.chunk_alignment, aliased_own_chunk=aliased_own_chunk,
+                          non_target_bytes=non_target_bytes)
+
+
+def unaligned_total_bytes(entries: Sequence[Entry], world_size: int) -> int:
+    """|T| of a layer's entries at `world_size` as the 16-byte rule lays it out, before any chunk alignment.
+
+    What `account_layers` takes: it pads C to the chunk alignment itself, so that the padding an alignment
+    adds is counted as padding, not as sharded weights. The entries' offsets do not depend on N.
+
+    >>> from shardprep.manifests import plan_layer, TensorSpec
+    >>> lay = plan_layer(1, [TensorSpec("layers.1.w", "BF16", (40,))], world_size=4, chunk_alignment=4096)
+    >>> lay.total_bytes, unaligned_total_bytes(lay.entries, 4)
+    (16384, 128)
+    """
+    return world_size * align_up(-(-used_bytes(entries) // world_size), ENTRY_ALIGNMENT)
 
 
 def zero_copy_applies(chunk_alignment: int, device_type: str = "cuda") -> bool:

@@ -15,7 +15,6 @@ No torch: the measuring is `shardprep profile`'s job.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -27,11 +26,12 @@ from ..manifests.accounting import (
     MemoryAccount,
     account_layers,
     human_bytes,
+    unaligned_total_bytes,
     zero_copy_applies,
 )
 from ..manifests.capacity import Capacity, capacity
 from ..manifests.kv_cache import KvCacheShape, kv_cache_shape
-from ..manifests.layout import ENTRY_ALIGNMENT, FusedGroup, TensorSpec, align_up, plan_layer
+from ..manifests.layout import align_up
 from ..manifests.manifest import MANIFEST_NAME, load_manifest
 from ..manifests.profile_format import Profile, load_profile
 from ..manifests.step_time import StepPrediction, predict_step
@@ -336,13 +336,15 @@ def _read_checkpoint(request: PlanRequest) -> _Model:
     selection = Selection(targets=request.targets, preset=load_preset(request.preset) if request.preset else None,
                           layers=parse_layers(request.layers),
                           layer_pattern=request.layer_pattern or DEFAULT_LAYER_PATTERN)
-    plan = make_plan(ckpt, request.ranks, selection)
-    return _Model("checkpoint", {lay.layer: lay.total_bytes for lay in plan.layouts}, plan.replicated_bytes,
-                  ckpt.config, request.chunk_alignment or ENTRY_ALIGNMENT)
+    # Laid out as convert would for this N (its chunk alignment too, `auto` unless given).
+    plan = make_plan(ckpt, request.ranks, selection, chunk_alignment=request.chunk_alignment or "auto")
+    sizes = {lay.layer: unaligned_total_bytes(lay.entries, request.ranks) for lay in plan.layouts}
+    return _Model("checkpoint", sizes, plan.replicated_bytes, ckpt.config, plan.chunk_alignment)
 
 
 def _read_converted(root: Path, request: PlanRequest) -> _Model:
     from .inspect import replicated_bytes
+    from .source import read_config
 
     manifest = load_manifest(root)
     wanted = parse_layers(request.layers)
@@ -353,16 +355,12 @@ def _read_converted(root: Path, request: PlanRequest) -> _Model:
     notes = []
     if request.targets or request.preset:
         notes.append(f"{root} is converted: its own targets are used, --preset/--target are ignored")
-    if request.ranks == manifest.world_size:
-        sizes = {r.layer: r.total_bytes for r in records}
-    else:  # the same tensors, laid out for the requested N (|T| pads to a multiple of 16·N)
-        sizes = {r.layer: plan_layer(r.layer, [TensorSpec(e.name, e.dtype, e.shape) for e in r.entries],
-                                     request.ranks, [FusedGroup(v.name, v.members) for v in r.views]).total_bytes
-                 for r in records}
+    # The entries sit at the same offsets for any N; as in `account`, |T| before the chunk alignment.
+    sizes = {r.layer: unaligned_total_bytes(r.entries, request.ranks) for r in records}
+    if request.ranks != manifest.world_size:
         notes.append(f"{root} was converted for {manifest.world_size} ranks; sizes are laid out again for "
                      f"{request.ranks}")
-    config_path = root / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else None
+    config = read_config(root)
     unsharded = sum(r.total_bytes for r in manifest.layers if r not in records)
     return _Model("converted", sizes, replicated_bytes(root, manifest) + unsharded, config,
                   request.chunk_alignment or manifest.chunk_alignment, tuple(notes))
