@@ -5,6 +5,7 @@ the gathers hide; tests/test_profile.py checks a measured one end to end.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -115,6 +116,18 @@ def test_plan_counts_chunk_alignment_padding_as_inspect_does(checkpoint_cache, t
         totals = json.loads(CliRunner().invoke(app, ["inspect", str(out), "--json"]).stdout)["totals"]
         assert (memory["saved_bytes"], memory["padding_bytes"]) == (totals["saved_bytes"], totals["padding_bytes"])
     assert memory["padding_bytes"] > 0 and memory["saved_bytes"] < 0
+
+
+def test_a_config_field_of_the_wrong_type_is_one_line_naming_the_file(llama8, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(llama8, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_key_value_heads": "x"}))
+    result = CliRunner().invoke(app, ["plan", str(src), "--ranks", "2", "--preset", "llama"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [f"error: {src / 'config.json'}: cannot size the KV cache from it (invalid literal for int() "
+                     "with base 10: 'x')"]
 
 
 def test_the_printed_plan_ends_with_its_verdict_and_names_the_convert_argument(llama8, tmp_path):

@@ -74,6 +74,13 @@ def kv_cache_shape(config: Mapping[str, Any], kv_dtype: str = "auto", *,
     >>> kv_cache_shape(deepseek, "fp8").bytes_per_token
     35136
     """
+    try:
+        return _kv_cache_shape(config, kv_dtype, where)
+    except (TypeError, ValueError, ArithmeticError) as exc:  # a field of the wrong type or value
+        raise SourceError(f"{where}: cannot size the KV cache from it ({exc})") from None
+
+
+def _kv_cache_shape(config: Mapping[str, Any], kv_dtype: str, where: str) -> KvCacheShape | None:
     text = config.get("text_config")
     if isinstance(text, Mapping):  # multimodal wrappers keep the language model's sizes here
         config = {**config, **text}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import IntegrityError, ManifestError, SourceError
+from ..errors import IntegrityError, ManifestError
 from ..manifests.accounting import account, zero_copy_applies
 from ..manifests.capacity import capacity
 from ..manifests.kv_cache import kv_cache_shape
@@ -39,12 +39,8 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
     alignment = m.chunk_alignment
     aliased = zero_copy_applies(alignment)
     memory = account(m, non_target_bytes=replicated_bytes(root, m), num_slots=num_slots, aliased_own_chunk=aliased)
-    config_path = root / "config.json"
     config = read_config(root)
-    try:
-        kv = kv_cache_shape(config, kv_dtype, where=str(config_path)) if config else None
-    except (TypeError, ValueError, ArithmeticError) as exc:  # a field of the wrong type or value
-        raise SourceError(f"{config_path}: cannot size the KV cache from it ({exc})") from None
+    kv = kv_cache_shape(config, kv_dtype, where=str(root / "config.json")) if config else None
     cap = capacity(memory, kv, replicated_part_bytes=memory.non_target_bytes, context_len=context_len,
                    hbm_bytes=hbm_bytes)
     return {

@@ -175,7 +175,8 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
                   f"{human_bytes(alignment)} ≥ 2 MiB)" if aliased else
                   f"copy: slots {request.num_slots}·max|T| (chunk alignment {human_bytes(alignment)} < 2 MiB, so the "
                   "own chunk cannot be mapped; convert with a 2 MiB chunk alignment for the smaller slots)")
-    kv = kv_cache_shape(model.config, request.kv_dtype) if model.config else None
+    where = str(Path(request.source) / "config.json")
+    kv = kv_cache_shape(model.config, request.kv_dtype, where=where) if model.config else None
     notes = list(model.notes)
     if model.config is None:
         notes.append("no config.json: KV-cache figures are left out")
