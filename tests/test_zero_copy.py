@@ -18,6 +18,7 @@ from spawn_group import free_port
 
 from shardprep.errors import RuntimeShardError
 from shardprep.manifests import LayerRecord, Manifest, TensorSpec, align_up, plan_file_offsets, plan_layer
+from shardprep.manifests.accounting import account
 from shardprep.runtime import zero_copy as zc
 
 MIB = 1 << 20
@@ -74,8 +75,10 @@ def test_a_model_of_one_layer_size_maps_one_allocation_per_peer_part():
 def test_slots_shrink_to_n_minus_one_over_n_of_a_layer():
     for n in (2, 4, 8):
         m = aligned_manifest(n)
-        copy, mapped = zc.slot_bytes(m, 2, zero_copy=False), zc.slot_bytes(m, 2, zero_copy=True)
+        copy, mapped = account(m).slot_bytes, account(m, aliased_own_chunk=True).slot_bytes
         assert copy == 2 * m.max_total_bytes and mapped * n == copy * (n - 1)
+        # What the runtime maps per slot is what the accounting reports.
+        assert 2 * zc.plan_views(m, n - 1, 2 * MIB).slot_bytes == mapped
 
 
 def test_chunks_off_the_mapping_granularity_are_refused_naming_the_layer_and_the_fix():

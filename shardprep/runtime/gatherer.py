@@ -383,7 +383,7 @@ class LayerGatherer:
         received = raw[2 * n:].view(n, 2 * world_size)  # per position: every rank's (position, forward count)
         sent.copy_(torch.stack([torch.arange(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)], 1))
         received.zero_()
-        self._tag_sent, self._tag_received = sent, received
+        self._tag_sent = sent
         self._tag_forward = sent[:, 1]
         self._tag_expected = sent.view(n, 1, 2)
         self._tag_got = received.view(n, world_size, 2)

@@ -233,7 +233,3 @@ def _prop(device: torch.device, shareable: bool = False) -> Any:
 
 def _posix_fd() -> Any:
     return _driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-
-
-def _round_up(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment

@@ -53,7 +53,6 @@ class Mapping:
 class ViewPlan:
     """Every allocation, and where each view and the shard buffer map them."""
 
-    granularity: int
     unit: int  # bytes of one slot allocation: the gcd of the chunk sizes
     units_per_slot: int  # (N−1)·max C / unit
     shard: tuple[Mapping, ...]  # the shard buffer: chunks and gaps, back to back from byte 0
@@ -136,7 +135,7 @@ def plan_views(manifest: Manifest, rank: int, granularity: int) -> ViewPlan:
         shard.append(Mapping(r.file_offset, r.chunk_bytes, "chunk", i))
         at = r.file_offset + r.chunk_bytes
     layers = tuple(view_mappings(r, i, rank, n, unit) for i, r in enumerate(manifest.layers))
-    return ViewPlan(granularity, unit, (n - 1) * max_c // unit, tuple(shard), layers)
+    return ViewPlan(unit, (n - 1) * max_c // unit, tuple(shard), layers)
 
 
 @dataclass(frozen=True)
@@ -182,20 +181,6 @@ def layout_reason(manifest: Manifest, granularity: int) -> str | None:
     # Format v2 records chunk_alignment; a v1 manifest reads as 16 (its C was a multiple of 16).
     return (f"{problem}; convert with --chunk-alignment {_size(granularity).replace(' ', '')} (this manifest's "
             f"chunk_alignment is {manifest.chunk_alignment})")
-
-
-def slot_bytes(manifest: Manifest, num_slots: int, zero_copy: bool) -> int:
-    """Device bytes of the gather slots: num_slots·max|T|, or num_slots·(N−1)/N·max|T| with zero copy.
-
-    >>> from shardprep.manifests import plan_layer, TensorSpec, LayerRecord, Manifest
-    >>> lay = plan_layer(1, [TensorSpec("l.1.w", "BF16", (1024, 1024))], world_size=4)
-    >>> m = Manifest(4, ("a", "b", "c", "d"), (LayerRecord.from_layout(lay, 0),))
-    >>> slot_bytes(m, 2, False) / MIB, slot_bytes(m, 2, True) / MIB  # one layer: one slot
-    (2.0, 1.5)
-    """
-    slots = min(num_slots, len(manifest.layers))
-    max_c = max(r.chunk_bytes for r in manifest.layers)
-    return slots * (manifest.world_size - (1 if zero_copy else 0)) * max_c
 
 
 # -- on the GPU ------------------------------------------------------------------------------------
