@@ -38,6 +38,22 @@ class BoundLayer:
     params: list[tuple[nn.Parameter, str]]
     placeholders: list[torch.Tensor] = field(default_factory=list)
 
+    def point(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Every bound parameter's data becomes its tensor in `weights` (a gathered view), no copy.
+
+        >>> layer.point(gatherer.wait(layer.index))  # doctest: +SKIP
+        """
+        for param, name in self.params:
+            param.data = weights[name]
+
+    def restore(self) -> None:
+        """Every bound parameter back to its placeholder (no storage).
+
+        >>> layer.restore()  # doctest: +SKIP
+        """
+        for (param, _), placeholder in zip(self.params, self.placeholders):
+            param.data = placeholder
+
 
 class Binding:
     """A model whose target parameters live in the gatherer's slots, one layer at a time.
@@ -103,18 +119,14 @@ class Binding:
             raise RuntimeShardError(self._out_of_order(layer))
         if not self._begun:  # the layers were called without the bound model's forward
             self._begin()
-        views = self.gatherer.wait(layer.index)
-        for param, name in layer.params:
-            param.data = views[name]
+        layer.point(self.gatherer.wait(layer.index))
         self._inside = layer
 
     def _exit(self, layer: BoundLayer, module: nn.Module, args: Any, output: Any) -> None:
         if self._inside is not layer:  # _enter raised (always_call runs this hook anyway): nothing to undo
             return
         self._inside = None
-        # Placeholders go back before done(): after done() the slot may be overwritten by a later gather.
-        for (param, _), placeholder in zip(layer.params, layer.placeholders):
-            param.data = placeholder
+        layer.restore()  # before done(): after done() the slot may be overwritten by a later gather
         self.gatherer.done(layer.index)
         self._position += 1
         if self._position == len(self.layers):

@@ -44,25 +44,15 @@ class ResidentWeights:
             gatherer.done(layer.index)
         if binding.shards.device.type == "cuda":
             torch.cuda.synchronize(binding.shards.device)
-        self.attached = False
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes of the full copies: R."""
-        return sum(self.binding.shards.manifest.layer(i).total_bytes for i in self._full)
 
     def attach(self) -> None:
         """Take the binding's hooks off and point every target at its full copy (no gathers from now on)."""
         self.binding.remove()
         for layer in self.binding.layers:
-            for param, name in layer.params:
-                param.data = self._full[layer.index][name]
-        self.attached = True
+            layer.point(self._full[layer.index])
 
     def detach(self) -> None:
         """Targets back to their placeholders and the copies freed; bind() the model again to gather."""
         for layer in self.binding.layers:
-            for (param, _), placeholder in zip(layer.params, layer.placeholders):
-                param.data = placeholder
+            layer.restore()
         self._full.clear()
-        self.attached = False
