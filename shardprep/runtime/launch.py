@@ -11,9 +11,12 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import RuntimeShardError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def launch_local(entrypoint: Callable[..., Any] | str, nproc: int, *args: Any) -> list[Any]:
@@ -44,6 +47,46 @@ def launch_local(entrypoint: Callable[..., Any] | str, nproc: int, *args: Any) -
     finally:
         elastic.setLevel(level)
     return [results[r] for r in range(nproc)] if results else [None] * nproc
+
+
+def init_local_rank(device: str) -> tuple[int, int, torch.device]:
+    """Join this process's rank to the default process group: (rank, world size, its device).
+
+    Reads torchrun's RANK, WORLD_SIZE and LOCAL_RANK; `device` is auto, cpu or cuda (local rank r uses
+    GPU r); NCCL on CUDA, gloo on the CPU.
+
+    >>> rank, world_size, device = init_local_rank("auto")  # doctest: +SKIP
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = _local_device(device, int(os.environ.get("LOCAL_RANK", rank)))
+    if local.type == "cuda":
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=local)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    return rank, world_size, local
+
+
+def _local_device(requested: str, local_rank: int) -> torch.device:
+    import torch
+
+    kind = requested
+    if requested == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeShardError("--device cuda but torch sees no CUDA device; use --device cpu")
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeShardError(
+                f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); start fewer ranks per node"
+            )
+        return torch.device("cuda", local_rank)
+    if kind != "cpu":
+        raise RuntimeShardError(f"--device {requested!r}: expected auto, cpu or cuda")
+    return torch.device("cpu")
 
 
 def _failure_text(entrypoint: Callable[..., Any] | str, failure: Any) -> str:

@@ -37,7 +37,7 @@ from ..manifests.manifest import load_manifest
 from ..manifests.profile_format import BackendTimes, LayerTimes, Profile
 from .binding import Binding, bind
 from .gatherer import LayerGatherer
-from .launch import launch_local
+from .launch import init_local_rank, launch_local
 from .resident_weights import ResidentWeights
 from .timing import DeviceClock, Mark, median, slowest
 
@@ -253,14 +253,9 @@ def profile_worker(directory: str, options: ProfileOptions) -> Profile | None:
     """
     from .hf_model import build_model, is_causal_lm
 
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = _device(options.device, int(os.environ.get("LOCAL_RANK", rank)))
     # NVLink multicast stays off, as in serving (see docs/runtime.md).
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
-                            device_id=device if device.type == "cuda" else None)
+    rank, _, device = init_local_rank(options.device)
     try:
         import transformers
 
@@ -293,18 +288,6 @@ def decoder_layers(binding: Binding) -> list[nn.Module]:
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and any(m is first for m in module):
             return list(module)
     raise RuntimeShardError("cannot find the list of decoder layers that holds the bound layers")
-
-
-def _device(requested: str, local_rank: int) -> torch.device:
-    kind = ("cuda" if torch.cuda.is_available() else "cpu") if requested == "auto" else requested
-    if kind == "cpu":
-        return torch.device("cpu")
-    if kind != "cuda" or not torch.cuda.is_available():
-        raise RuntimeShardError(f"--device {requested!r}: expected auto, cpu or cuda (with a CUDA device)")
-    if local_rank >= torch.cuda.device_count():
-        raise RuntimeShardError(f"rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
-                                "use fewer --nproc")
-    return torch.device("cuda", local_rank)
 
 
 def profile(directory: str | Path, nproc: int | None, options: ProfileOptions) -> Profile:

@@ -208,16 +208,10 @@ def run_worker(options: RunOptions) -> RunReport | None:
     import torch
     import torch.distributed as dist
 
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    check_run_dir(options.directory, world_size)
-    device = _device(options.device, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if device.type == "cuda":
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from .launch import init_local_rank
+
+    check_run_dir(options.directory, int(os.environ["WORLD_SIZE"]))
+    rank, world_size, device = init_local_rank(options.device)
     try:
         results, info = _serve(options, device, rank, world_size)
         gathered: list[Any] = [None] * world_size if rank == 0 else []
@@ -231,25 +225,6 @@ def run_worker(options: RunOptions) -> RunReport | None:
         outputs = [r.output for r in everything]
         torch.save(outputs[0] if len(outputs) == 1 else outputs, options.save_outputs)
     return RunReport(everything, [m for _, m in gathered])
-
-
-def _device(requested: str, local_rank: int) -> torch.device:
-    import torch
-
-    kind = requested
-    if requested == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeShardError("--device cuda but torch sees no CUDA device; use --device cpu")
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeShardError(
-                f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); start fewer ranks per node"
-            )
-        return torch.device("cuda", local_rank)
-    if kind != "cpu":
-        raise RuntimeShardError(f"--device {requested!r}: expected auto, cpu or cuda")
-    return torch.device("cpu")
 
 
 def _serve(options: RunOptions, device: torch.device, rank: int,
