@@ -130,6 +130,17 @@ def test_a_config_field_of_the_wrong_type_is_one_line_naming_the_file(llama8, tm
                      "with base 10: 'x')"]
 
 
+def test_plan_and_inspect_refuse_what_convert_and_the_runtime_would(llama8, tmp_path):
+    out = tmp_path / "out"
+    convert(llama8, out, 2, preset="llama")
+    result = CliRunner().invoke(app, ["plan", str(llama8), "--ranks", "2", "--chunk-alignment", "3000"])
+    assert result.exit_code == 2 and result.stderr.startswith("error: --chunk-alignment '3000': expected auto, none, "
+                                                               "or a power of two"), result.output
+    for command in (["plan", str(out), "--ranks", "2"], ["inspect", str(out)]):
+        result = CliRunner().invoke(app, [*command, "--num-slots", "0"])
+        assert result.exit_code == 2 and "--num-slots" in result.stderr and "Traceback" not in result.output
+
+
 def test_the_printed_plan_ends_with_its_verdict_and_names_the_convert_argument(llama8, tmp_path):
     profile = write_profile(tmp_path / "p.json", tokens=(16, 128), compute_ms=(1.0, 2.0), gather_ms=1.6)
     result = CliRunner().invoke(app, ["plan", str(llama8), "--ranks", "8", "--preset", "llama", "--profile",

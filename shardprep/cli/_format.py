@@ -6,9 +6,22 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 from ..manifests.accounting import human_bytes as human_bytes  # one byte formatter for the library and the CLI
+
+# Options that several commands take, declared once so that their checks and help agree.
+NumSlots = Annotated[int, typer.Option(min=1, metavar="N", help="Gather slots the runtime keeps.")]
+KvDtype = Annotated[str, typer.Option(
+    metavar="DTYPE", help="KV-cache dtype: auto (the model's), bf16, fp16, fp8, fp32.")]
+ContextLen = Annotated[int, typer.Option(
+    min=1, metavar="TOKENS", help="Context length of one request, for the extra requests the saving allows.")]
+HbmGb = Annotated[float, typer.Option(metavar="GB", help="HBM per GPU in GB (10^9 bytes); 141 = H200.")]
+ChunkAlignment = Annotated[str, typer.Option(
+    metavar="auto|none|SIZE", help="C is a multiple of this and chunks start on it (SIZE like 2MiB, for the "
+    "zero-copy runtime); auto: 2MiB when its padding costs <= 1% of Σ|T| per rank, else none (16 bytes).")]
 
 
 def print_json(data: Any) -> None:
@@ -69,16 +82,10 @@ def parse_fraction(text: str, option: str) -> float:
     return value
 
 
-def parse_size(text: str, option: str) -> int:
-    """'2MiB' -> 2097152, '4096' -> 4096 (B, KiB, MiB, GiB; K/M/G mean the binary units too)."""
-    import re
-
-    from ..errors import ShardprepError
-
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
-    if not m:
-        raise ShardprepError(f"{option} {text!r}: expected a size such as 4096, 64KiB or 2MiB")
-    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+def rank_files_phrase(summary: Any) -> str:
+    """"R (chunk alignment A, P of alignment padding per rank)", from a convert or reshard summary."""
+    return (f"{human_bytes(summary.rank_file_bytes)} (chunk alignment {human_bytes(summary.chunk_alignment)}, "
+            f"{human_bytes(summary.alignment_padding_bytes)} of alignment padding per rank)")
 
 
 def capacity_rows(totals: dict[str, Any], capacity: dict[str, Any], kv: dict[str, Any] | None) -> list[tuple[str, str]]:

@@ -10,7 +10,7 @@ import typer
 from ..prep.convert import CopyMode
 from ..prep.requant_jobs import RequantMode, RequantRecipe, RequantScope, ScaleFormat
 from ._errors import cli_errors, stop_signals_interrupt
-from ._format import byte_progress, human_bytes, print_json
+from ._format import ChunkAlignment, byte_progress, human_bytes, print_json, rank_files_phrase
 
 
 def convert_command(
@@ -49,10 +49,7 @@ def convert_command(
     device: Annotated[str, typer.Option(metavar="DEVICE", help="Device for requantization: cpu or cuda.")]
     = "cpu",
     workers: Annotated[int, typer.Option(metavar="N", help="Requant worker threads (0 = one per core).")] = 0,
-    chunk_alignment: Annotated[str, typer.Option(metavar="auto|none|SIZE", help="C is a multiple of this and "
-                                                 "chunks start on it (SIZE like 2MiB, for the zero-copy runtime); "
-                                                 "auto: 2MiB when its padding costs <= 1% of Σ|T| per rank, else "
-                                                 "none (16 bytes).")] = "auto",
+    chunk_alignment: ChunkAlignment = "auto",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary "
                                                           "(schema shardprep/convert-summary/1).")] = False,
@@ -78,8 +75,7 @@ def convert_command(
         typer.echo(
             f"wrote {summary.out}: {len(summary.layers)} layers, {summary.target_tensors} target tensors "
             f"({human_bytes(summary.target_bytes)}) in {summary.world_size} rank files of "
-            f"{human_bytes(summary.rank_file_bytes)} (chunk alignment {human_bytes(summary.chunk_alignment)}, "
-            f"{human_bytes(summary.alignment_padding_bytes)} of alignment padding per rank); "
+            f"{rank_files_phrase(summary)}; "
             f"{summary.replicated_tensors} replicated tensors "
             f"({human_bytes(summary.replicated_bytes)}, {len(summary.linked_files)} files linked); "
             + (f"{summary.requantized_tensors} tensors requantized; " if summary.requantized_tensors else "")

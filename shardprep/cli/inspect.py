@@ -8,18 +8,15 @@ from typing import Annotated
 import typer
 
 from ._errors import cli_errors
-from ._format import capacity_rows, human_bytes, print_json
+from ._format import ContextLen, HbmGb, KvDtype, NumSlots, capacity_rows, human_bytes, print_json
 
 
 def inspect_command(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="Output directory of `shardprep convert`.")],
-    num_slots: Annotated[int, typer.Option(metavar="N", help="Gather slots the runtime keeps.")] = 2,
-    kv_dtype: Annotated[str, typer.Option(
-        metavar="DTYPE", help="KV-cache dtype: auto (the model's), bf16, fp16, fp8, fp32.")] = "auto",
-    context_len: Annotated[int, typer.Option(
-        min=1, metavar="TOKENS", help="Context length of one request, for the extra requests the saving allows.")]
-    = 8192,
-    hbm_gb: Annotated[float, typer.Option(metavar="GB", help="HBM per GPU in GB (10^9 bytes); 141 = H200.")] = 141.0,
+    num_slots: NumSlots = 2,
+    kv_dtype: KvDtype = "auto",
+    context_len: ContextLen = 8192,
+    hbm_gb: HbmGb = 141.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (schema shardprep/inspect/1).")]
     = False,
 ) -> None:

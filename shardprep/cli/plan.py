@@ -8,7 +8,17 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ._errors import cli_errors
-from ._format import capacity_rows, human_bytes, parse_fraction, parse_size, parse_token_counts, print_json
+from ._format import (
+    ContextLen,
+    HbmGb,
+    KvDtype,
+    NumSlots,
+    capacity_rows,
+    human_bytes,
+    parse_fraction,
+    parse_token_counts,
+    print_json,
+)
 from .run import Backend
 
 if TYPE_CHECKING:
@@ -43,20 +53,20 @@ def plan_command(
         metavar="PCT", help="Largest predicted step-time overhead allowed, e.g. 5% or 0.05.")] = "5%",
     budget_gb: Annotated[float | None, typer.Option(
         metavar="GB", help="Instead: free at least this many GB (10^9 B) per rank at the least overhead.")] = None,
-    hbm_gb: Annotated[float, typer.Option(metavar="GB", help="HBM per GPU in GB (10^9 bytes); 141 = H200.")] = 141.0,
-    context_len: Annotated[int, typer.Option(min=1, metavar="TOKENS", help="Context length of one request.")]
-    = 8192,
-    kv_dtype: Annotated[str, typer.Option(
-        metavar="DTYPE", help="KV-cache dtype: auto (the model's), bf16, fp16, fp8, fp32.")] = "auto",
-    num_slots: Annotated[int, typer.Option(min=1, metavar="N", help="Gather slots the runtime keeps.")] = 2,
+    hbm_gb: HbmGb = 141.0,
+    context_len: ContextLen = 8192,
+    kv_dtype: KvDtype = "auto",
+    num_slots: NumSlots = 2,
     chunk_alignment: Annotated[str | None, typer.Option(
-        metavar="SIZE", help="Chunk alignment convert will use, e.g. 2MiB (SRC; OUT has its own).")] = None,
+        metavar="auto|none|SIZE", help="Chunk alignment convert will use, e.g. 2MiB (SRC: default auto, as "
+                                       "convert; OUT has its own).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (schema shardprep/plan/1).")]
     = False,
 ) -> None:
     """Per rank: memory saved, the KV-cache tokens and requests it buys, the startup peak; per layer: gather
     against compute; the layers to shard and the `convert --layers` argument; a one-line verdict."""
     from ..prep.payoff import PlanRequest, plan_sharding
+    from ..prep.plan import parse_chunk_alignment
 
     with cli_errors():
         request = PlanRequest(
@@ -67,7 +77,7 @@ def plan_command(
             context_len=context_len, max_overhead=parse_fraction(max_overhead, "--max-overhead"),
             budget_bytes=None if budget_gb is None else int(budget_gb * 10**9), kv_dtype=kv_dtype,
             num_slots=num_slots,
-            chunk_alignment=parse_size(chunk_alignment, "--chunk-alignment") if chunk_alignment else None,
+            chunk_alignment=parse_chunk_alignment(chunk_alignment) if chunk_alignment else None,
         )
         report = plan_sharding(request)
     if json_out:

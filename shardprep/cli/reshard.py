@@ -9,7 +9,7 @@ import typer
 
 from ..prep.convert import CopyMode
 from ._errors import cli_errors, stop_signals_interrupt
-from ._format import byte_progress, human_bytes, print_json
+from ._format import ChunkAlignment, byte_progress, human_bytes, print_json, rank_files_phrase
 
 
 def reshard_command(
@@ -18,9 +18,7 @@ def reshard_command(
     new: Annotated[Path, typer.Argument(metavar="NEW", help="The directory to write for M ranks (created; must be "
                                                             "empty unless --overwrite).")],
     ranks: Annotated[int, typer.Option("--ranks", "-n", metavar="M", help="Number of ranks M to shard across.")],
-    chunk_alignment: Annotated[str, typer.Option(metavar="auto|none|SIZE", help="As in convert: C is a multiple of "
-                                                 "this (SIZE like 2MiB); auto: 2MiB when its padding costs <= 1% of "
-                                                 "Σ|T| per rank, else none (16 bytes).")] = "auto",
+    chunk_alignment: ChunkAlignment = "auto",
     copy_mode: Annotated[CopyMode, typer.Option(help="auto: hard-link the files that do not depend on N when "
                                                      "possible.")] = CopyMode.AUTO,
     overwrite: Annotated[bool, typer.Option(help="Replace a previous output in NEW (atomically).")] = False,
@@ -40,9 +38,8 @@ def reshard_command(
         unlisted = summary.unlisted_files
         typer.echo(
             f"wrote {summary.new}: {len(summary.layers)} layers resharded from {summary.from_world_size} to "
-            f"{summary.world_size} rank files of {human_bytes(summary.rank_file_bytes)} (chunk alignment "
-            f"{human_bytes(summary.chunk_alignment)}, {human_bytes(summary.alignment_padding_bytes)} of alignment "
-            f"padding per rank); {summary.replicated_files} other files ({human_bytes(summary.replicated_bytes)}, "
+            f"{summary.world_size} rank files of {rank_files_phrase(summary)}; "
+            f"{summary.replicated_files} other files ({human_bytes(summary.replicated_bytes)}, "
             f"{len(summary.linked_files)} linked); {summary.seconds:.1f} s"
             + (f"; not carried over, as {summary.out}'s manifest does not list them: {', '.join(unlisted[:5])}"
                + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "") if unlisted else "")
