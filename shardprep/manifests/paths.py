@@ -7,6 +7,7 @@ it. Absolute paths, `..`, `.`, empty parts, backslashes, drive letters, NUL and 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import IntegrityError
@@ -50,3 +51,15 @@ def resolve_inside(root: str | Path, rel: object, *, what: str = "file") -> Path
         raise IntegrityError(f"{rel}: {what} path leaves the output directory (through a symlink, to {real})",
                              code="unsafe_path", file=rel)
     return path
+
+
+def files_under(root: str | Path) -> Iterator[str]:
+    """Every file below `root` as a relative POSIX path, in sorted order (directories sorted too).
+
+    >>> next(files_under(Path(__file__).parent)) == "__init__.py"
+    True
+    """
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            yield Path(dirpath, name).relative_to(root).as_posix()

@@ -16,8 +16,6 @@ from ..manifests.replicated import MAX_INDEX_BYTES
 from ..manifests.strict_json import is_int, read_json_file
 from .source import read_config
 
-# A model's config.json is kilobytes; a larger one is refused unread.
-
 DEFAULT_HBM_BYTES = 141 * 10**9  # one H200
 DEFAULT_CONTEXT_LEN = 8192
 

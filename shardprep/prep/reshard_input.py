@@ -18,6 +18,7 @@ from pathlib import Path
 from ..errors import IntegrityError, ManifestError, ShardprepError
 from ..manifests.exact_read import open_for_reading, read_exact
 from ..manifests.manifest import MANIFEST_NAME, Manifest, load_manifest
+from ..manifests.paths import files_under
 from ..manifests.rank_file import check_rank_header
 from .output_dir import is_staging_dir
 from .source import source_boundary
@@ -64,7 +65,7 @@ def open_reshard_input(out: str | Path) -> ReshardInput:
             raise IntegrityError(f"{path}: {size} bytes, the manifest says {f.size} (truncated or modified); copy it "
                                  "again", code="file_size", file=f.path)
     listed = {MANIFEST_NAME, *manifest.rank_files, *(f.path for f in manifest.replicated_files)}
-    return ReshardInput(root, manifest, rank_paths, tuple(rel for rel in _walk(root) if rel not in listed))
+    return ReshardInput(root, manifest, rank_paths, tuple(rel for rel in files_under(root) if rel not in listed))
 
 
 def _rank_file(root: Path, boundary: Path, rel: str, rank: int, manifest: Manifest) -> Path:
@@ -100,11 +101,3 @@ def _regular_file_size(path: Path, missing: str) -> int:
     if not stat.S_ISREG(st.st_mode):
         raise IntegrityError(f"{path}: not a regular file", code="unreadable_file", file=str(path))
     return st.st_size
-
-
-def _walk(root: Path) -> list[str]:
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        found += [Path(dirpath, name).relative_to(root).as_posix() for name in sorted(filenames)]
-    return found

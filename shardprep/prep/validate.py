@@ -9,7 +9,7 @@ an exception means validation could not run at all.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from ..manifests.checksums import HASH_SEED
 from ..manifests.exact_read import iter_blocks, pread_exact, read_exact
 from ..manifests.layout import chunk_range
 from ..manifests.manifest import MANIFEST_NAME, LayerRecord, Manifest, check_invariants, read_manifest_file
-from ..manifests.paths import resolve_inside
+from ..manifests.paths import files_under, resolve_inside
 from ..manifests.problems import Problem, quoted
 from ..manifests.replicated import NOTICE_TENSOR, ReplicatedIndex, check_replicated_file, read_replicated_index
 from ..manifests.safetensors_header import SafetensorsHeader, read_safetensors_header
@@ -292,17 +292,10 @@ def _checked_safetensors(root: Path, m: Manifest, name: str, report: ValidationR
 def _check_unlisted(root: Path, m: Manifest, report: ValidationReport) -> None:
     """A file in OUT that the manifest does not list has no checksum: a loader could read unverified bytes."""
     listed = {MANIFEST_NAME, *m.rank_files, *(f.path for f in m.replicated_files)}
-    for rel in _walk(root):
+    for rel in files_under(root):
         if rel not in listed:
             report.add(Problem("unlisted_file", f"{rel}: not listed in the manifest (no checksum); remove it or "
                                "re-run convert", file=rel))
-
-
-def _walk(root: Path) -> Iterator[str]:
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            yield Path(dirpath, name).relative_to(root).as_posix()
 
 
 # -- against the source --------------------------------------------------------------------------

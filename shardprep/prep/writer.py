@@ -35,6 +35,7 @@ from ..manifests.manifest import (
     Manifest,
     rank_file_name,
 )
+from ..manifests.paths import files_under
 from ..manifests.replicated import NOTICE_FILE, NOTICE_TENSOR, NOTICE_TEXT, SHARDED_SENTINEL
 from .file_ranges import pwrite_all
 from .output_dir import writing
@@ -296,15 +297,12 @@ def _digest_replicated_files(directory: Path, world_size: int,
     were taken when they were written)."""
     own = {MANIFEST_NAME, *(rank_file_name(r, world_size) for r in range(world_size))}
     records = []
-    for dirpath, dirnames, filenames in os.walk(directory):
-        dirnames.sort()
-        for name in sorted(filenames):
-            rel = Path(dirpath, name).relative_to(directory).as_posix()
-            if rel in known:
-                records.append(known[rel])
-            elif rel not in own:
-                size, hexdigest = file_digest(Path(dirpath, name))
-                records.append(FileRecord(rel, size, hexdigest))
+    for rel in files_under(directory):
+        if rel in known:
+            records.append(known[rel])
+        elif rel not in own:
+            size, hexdigest = file_digest(directory / rel)
+            records.append(FileRecord(rel, size, hexdigest))
     return tuple(sorted(records, key=lambda f: f.path))
 
 
