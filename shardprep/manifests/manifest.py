@@ -257,7 +257,7 @@ def seal(text: str) -> str:
     if len(spans) != 1:
         raise ValueError(f"a manifest text must hold one {SELF_DIGEST_KEY}, found {len(spans)}")
     a, b = spans[0]
-    return (raw[:a] + digest(raw[:a] + UNSEALED.encode() + raw[b:]).encode() + raw[b:]).decode()
+    return (raw[:a] + _self_digest(raw, a, b).encode() + raw[b:]).decode()
 
 
 def check_seal(raw: bytes, data: Any) -> str | None:
@@ -267,11 +267,16 @@ def check_seal(raw: bytes, data: Any) -> str | None:
     if len(spans) != 1 or not isinstance(want, str):
         return f"the file must hold exactly one {SELF_DIGEST_KEY} (found {len(spans)})"
     a, b = spans[0]
-    got = digest(raw[:a] + UNSEALED.encode() + raw[b:])
+    got = _self_digest(raw, a, b)
     if raw[a:b].decode() != want or got != want:
         return (f"{SELF_DIGEST_KEY} is {raw[a:b].decode()} but the file's checksum is {got} (the manifest was "
                 "modified or damaged; re-run convert)")
     return None
+
+
+def _self_digest(raw: bytes, a: int, b: int) -> str:
+    # The checksum of the text with its own digest, at raw[a:b], written as zeros.
+    return digest(raw[:a] + UNSEALED.encode() + raw[b:])
 
 
 def _seal_spans(raw: bytes) -> list[tuple[int, int]]:
@@ -310,7 +315,7 @@ def _validator(version: int) -> Any:
 
     # JSON Schema counts 1.0 as an integer, and Python counts True as one: neither is a byte count here.
     def is_integer(_checker: Any, instance: object) -> bool:
-        return isinstance(instance, int) and not isinstance(instance, bool)
+        return is_int(instance)
 
     base = jsonschema.Draft202012Validator
     strict = validators.extend(base, type_checker=base.TYPE_CHECKER.redefine("integer", is_integer))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import IntegrityError
-from .dtypes import DTYPE_SIZES
+from .dtypes import DTYPE_SIZES, tensor_nbytes
 from .exact_read import open_for_reading, read_exact
 from .problems import quoted
 from .strict_json import is_int, is_str_dict, parse_json
@@ -116,9 +116,7 @@ def _tensor_info(name: str, info: object, where: str) -> TensorInfo:
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):
         raise _invalid(where, f"tensor {quoted(name)} has invalid data_offsets {quoted(offsets)}", tensor=name)
-    nbytes = DTYPE_SIZES[dtype]
-    for d in shape:
-        nbytes *= d
+    nbytes = tensor_nbytes(dtype, shape, tensor=name)
     begin, end = offsets
     if nbytes != end - begin:
         raise _invalid(where, f"tensor {quoted(name)} byte range [{begin}, {end}) does not match {dtype}{shape}",
