@@ -55,9 +55,10 @@ def requant_ue8m0(
     """
     run_on = _resolve_device(device, name)
     _check_inputs(weight, scale_inv, block, recipe, name)
-    refuse_negative_scale(scale_inv.to(torch.float32).cpu().numpy(), name)
+    scale32 = scale_inv.to(torch.float32).contiguous()  # the scales as every path below reads them
+    refuse_negative_scale(scale32.cpu().numpy(), name)
     if not allow_nonfinite:
-        _refuse_nonfinite(scale_inv.to(torch.float32), name, what="scale_inv")
+        _refuse_nonfinite(scale32, name, what="scale_inv")
     *batch, n, k = weight.shape
     q_out = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
     s_out = torch.empty(scale_inv.shape, dtype=torch.float32)
@@ -66,14 +67,14 @@ def requant_ue8m0(
 
     if run_on.type == "cpu" and tuple(block) == (BLOCK, BLOCK):
         fast = requant_codes(weight.contiguous().view(torch.uint8).numpy(),
-                             scale_inv.to(torch.float32).contiguous().numpy(), recipe, _CHUNK_ELEMENTS)
+                             scale32.numpy(), recipe, _CHUNK_ELEMENTS)
         if fast is not None:
             q_out.view(torch.uint8).copy_(torch.from_numpy(fast[0]))
             s_out.copy_(torch.from_numpy(fast[1]))
             return q_out, s_out
 
     block_n, block_k = block
-    weights, scales = weight.reshape(-1, n, k), scale_inv.to(torch.float32).reshape(-1, *scale_inv.shape[-2:])
+    weights, scales = weight.reshape(-1, n, k), scale32.reshape(-1, *scale_inv.shape[-2:])
     q_flat, s_flat = q_out.view(weights.shape), s_out.view(scales.shape)
     padded_k = scales.shape[-1] * block_k
     rows_per_pass = block_n * max(1, _CHUNK_ELEMENTS // (block_n * padded_k))
