@@ -148,3 +148,20 @@ def test_inspect_totals_follow_the_formula(converted):
     assert t["non_target_bytes"] > 0
     table = runner.invoke(app, ["inspect", str(out)])
     assert table.exit_code == 0 and "memory saved per rank" in table.stdout
+
+
+def test_a_missing_index_is_one_problem_and_a_corrupt_one_is_still_read(converted):
+    _, out = converted
+    index = out / "model.safetensors.index.json"
+    text = index.read_text()
+    index.unlink()
+    assert [p.code for p in validate(out).problems] == ["missing_file"]
+    # The same length, other bytes: the checksum fails, and the index is still parsed for what it maps wrongly.
+    data = json.loads(text)
+    name = next(t for t, f in data["weight_map"].items() if f.startswith("model-"))
+    data["weight_map"][name] = "model-99999-of-99999.safetensors"
+    edited = json.dumps(data, indent=2) + "\n"
+    index.write_text(edited)
+    problems = validate(out).problems
+    assert {"checksum_mismatch", "missing_file"} <= {p.code for p in problems}, problems
+    assert any("model-99999-of-99999.safetensors" in p.message for p in problems)

@@ -234,16 +234,21 @@ def _check_with_library(path: Path, rel: str, report: ValidationReport) -> None:
 
 
 def _check_replicated(root: Path, m: Manifest, report: ValidationReport) -> ReplicatedIndex | None:
+    readable = True
     try:
         check_replicated_file(root, m, m.replicated_index, verify=True)
     except IntegrityError as exc:
         report.add(Problem.of(exc))
-    try:
-        # Parsed even when its checksum failed (reported above), so that what is wrong in it is named too.
-        index, problems = read_replicated_index(root, m, verify=False)
-    except IntegrityError as exc:
-        report.add(Problem.of(exc))
-        index, problems = None, []
+        # Parsed even when its bytes are not the manifest's, so that what is wrong in it is named too; an
+        # index that cannot be read at all (missing, unsafe path, unlisted) is reported once, here.
+        readable = exc.code in ("checksum_mismatch", "file_size")
+    index: ReplicatedIndex | None = None
+    problems: list[Problem] = []
+    if readable:
+        try:
+            index, problems = read_replicated_index(root, m, verify=False)
+        except IntegrityError as exc:
+            report.add(Problem.of(exc))
     for p in problems:
         report.add(p)
     checked: set[str] = {m.replicated_index}
