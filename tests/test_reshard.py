@@ -146,7 +146,7 @@ def corrupt(kind, out):
     m = load_manifest(out)
     if kind == "flipped byte in a rank chunk":
         flip(rank_path(out, 5), m.layers[2].file_offset + 3)
-        return f"{rank_path(out, 5)}: layer {m.layers[2].layer} chunk checksum mismatch"
+        return f"{rank_path(out, 5)}: layer {m.layers[2].layer}'s chunk (bytes {m.layers[2].file_offset}.."
     if kind == "flipped byte in a rank file header":
         flip(rank_path(out, 0), 40)
         return f"{rank_path(out, 0)}: its safetensors header is not the one the manifest implies"

@@ -14,12 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import IntegrityError
-from ..manifests.checksums import digest
 from ..manifests.dtypes import torch_dtype
-from ..manifests.exact_read import open_for_reading, pread_exact, read_exact
+from ..manifests.exact_read import open_for_reading, read_exact
 from ..manifests.layout import Entry, chunk_range
-from ..manifests.manifest import LayerRecord, Manifest, load_manifest
+from ..manifests.manifest import LayerRecord, Manifest, load_manifest, read_chunk
 from ..manifests.paths import resolve_inside
 from ..manifests.rank_file import check_rank_header
 
@@ -57,7 +55,8 @@ def iter_full_targets(
                 if rank not in fds:
                     fds[rank] = _open_rank_file(files, directory, manifest, rank)
                 fd, path = fds[rank]
-                _read_chunk(fd, path, record, rank, layer, verify)
+                lo, hi = chunk_range(rank, record.chunk_bytes)
+                read_chunk(fd, path, record, rank, layer.numpy().data[lo:hi], verify=verify)
             for e in entries:
                 yield e.name, layer[e.offset:e.offset + e.nbytes].view(torch_dtype(e.dtype, tensor=e.name)).view(
                     e.shape)
@@ -78,17 +77,3 @@ def _open_rank_file(files: ExitStack, directory: Path, manifest: Manifest, rank:
     header = manifest.rank_header
     check_rank_header(read_exact(fd, len(header), 0, path) if header else b"", header, path, str(path))
     return fd, path
-
-
-def _read_chunk(fd: int, path: Path, record: LayerRecord, rank: int, layer: torch.Tensor, verify: bool) -> None:
-    start, end = chunk_range(rank, record.chunk_bytes)
-    dest = layer.numpy().data[start:end]
-    pread_exact(fd, dest, record.file_offset, path)
-    if verify:
-        got = digest(dest)
-        if got != record.checksums[rank]:
-            raise IntegrityError(
-                f"{path}: layer {record.layer}'s chunk (bytes {record.file_offset}.."
-                f"{record.file_offset + record.chunk_bytes}) has checksum {got}, the manifest says "
-                f"{record.checksums[rank]}; the file is corrupt, copy it again",
-                code="checksum_mismatch", file=str(path), layer=record.layer)

@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import IntegrityError, ManifestError
 from .checksums import digest
 from .dtypes import tensor_nbytes
+from .exact_read import pread_exact
 from .layout import (
     ENTRY_ALIGNMENT,
     FILE_ALIGNMENT,
@@ -74,6 +75,22 @@ class LayerRecord:
             if e.name == name:
                 return e
         raise KeyError(name)
+
+
+def read_chunk(fd: int, path: str | Path, record: LayerRecord, rank: int, dest: memoryview, *,
+               verify: bool = True) -> None:
+    """Read `rank`'s chunk of `record`'s layer from its open rank file `fd` into `dest` (chunk_bytes long)
+    and, with `verify`, check it against the manifest's checksum: IntegrityError naming `path` otherwise.
+
+    >>> read_chunk(fd, "out/shards/rank-00001-of-00002.safetensors", record, 1, buffer)  # doctest: +SKIP
+    """
+    pread_exact(fd, dest, record.file_offset, path)
+    if verify and (got := digest(dest)) != record.checksums[rank]:
+        end = record.file_offset + record.chunk_bytes
+        raise IntegrityError(
+            f"{path}: layer {record.layer}'s chunk (bytes {record.file_offset}..{end}) has checksum {got}, the "
+            f"manifest says {record.checksums[rank]}; the file is corrupt, copy it again",
+            code="checksum_mismatch", file=str(path), layer=record.layer)
 
 
 @dataclass(frozen=True)

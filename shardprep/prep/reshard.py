@@ -20,9 +20,9 @@ from typing import Any
 
 from ..errors import IntegrityError
 from ..manifests.checksums import digest, file_digest
-from ..manifests.exact_read import open_for_reading, pread_exact
+from ..manifests.exact_read import open_for_reading
 from ..manifests.layout import chunk_range
-from ..manifests.manifest import FileRecord, LayerRecord, Manifest, rank_file_name
+from ..manifests.manifest import FileRecord, LayerRecord, Manifest, rank_file_name, read_chunk
 from .convert import CopyMode, check_write_options
 from .output_dir import check_output_dir, staged_output
 from .reshard_input import ReshardInput, open_reshard_input
@@ -186,10 +186,7 @@ def _read_layer(source: ReshardInput, record: LayerRecord, flat: memoryview) -> 
     for r, path in enumerate(source.rank_paths):
         lo, hi = chunk_range(r, record.chunk_bytes)
         with open_for_reading(path, "rank file") as fd:
-            pread_exact(fd, flat[lo:hi], record.file_offset, path)
-        if digest(flat[lo:hi]) != record.checksums[r]:
-            raise IntegrityError(f"{path}: layer {record.layer} chunk checksum mismatch (file corrupt or modified); "
-                                 "copy it again", code="checksum_mismatch", file=str(path), layer=record.layer)
+            read_chunk(fd, path, record, r, flat[lo:hi])
 
 
 def _carry(source: ReshardInput, record: FileRecord, directory: Path, mode: CopyMode, writeback: Writeback) -> bool:
