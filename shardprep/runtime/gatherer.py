@@ -181,7 +181,9 @@ class LayerGatherer:
         self.backend.connect(shards.buffer, memories, None if mapped is None else mapped.shard_pieces)
         self._position = {layer: i for i, layer in enumerate(self.layers)}
         self._outs = tuple(outs)  # per position: the flat bytes a gather fills (a slot, or a zero-copy view)
-        self._views = tuple(layer_views(r, out) for r, out in zip(records, outs))
+        # Every view through a storage of its own: fixed addresses a compiler may treat as memory of their own
+        # (views.own_storage says why).
+        self._views = tuple(layer_views(r, out, own_storages=True) for r, out in zip(records, outs))
         self._ops = tuple(self.backend.plan(shards.chunk(r.layer), out, in_place=self.zero_copy,
                                             tags=None if tags is None else tags[i])
                           for i, (r, out) in enumerate(zip(records, outs)))
@@ -283,6 +285,19 @@ class LayerGatherer:
         elif slot.state is SlotState.GATHERING:
             # Never read (an abandoned forward): its gather, maybe on another stream, must finish writing first.
             stream.wait_event(slot.gathered)
+
+    def views(self, layer: int) -> dict[str, torch.Tensor]:
+        """`layer`'s views without waiting: the tensors every wait(layer) returns, at fixed addresses.
+
+        Their bytes are `layer`'s only between wait(layer) and done(layer); bind() points the model's
+        parameters at them once.
+
+        >>> param.data = gatherer.views(3)["model.layers.3.self_attn.o_proj.weight"]  # doctest: +SKIP
+        """
+        i = self._position.get(layer, -1)
+        if i < 0:
+            raise RuntimeShardError(self._out_of_order(layer))
+        return self._views[i]
 
     # -- per forward ----------------------------------------------------------------------------
     def begin(self, step: int | None = None) -> None:

@@ -6,6 +6,9 @@ returns the dict.
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import torch
 
 from ..errors import RuntimeShardError
@@ -13,11 +16,12 @@ from ..manifests.dtypes import torch_dtype
 from ..manifests.manifest import LayerRecord
 
 
-def layer_views(record: LayerRecord, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+def layer_views(record: LayerRecord, slot: torch.Tensor, own_storages: bool = False) -> dict[str, torch.Tensor]:
     """name → tensor for every entry and fused view of `record`, viewing the flat uint8 `slot` (no copy).
 
     `slot` must hold the layer's full buffer T (at least `record.total_bytes` bytes); it is usually
-    one of the gatherer's ping-pong slots.
+    one of the gatherer's ping-pong slots. With `own_storages`, each view reaches the same bytes through
+    a storage object of its own (`own_storage`).
 
     >>> from shardprep.manifests import plan_layer, TensorSpec, LayerRecord
     >>> lay = plan_layer(0, [TensorSpec("l.0.w", "F32", (2, 2))], world_size=2)
@@ -37,6 +41,8 @@ def layer_views(record: LayerRecord, slot: torch.Tensor) -> dict[str, torch.Tens
         views[e.name] = _view(slot, e.name, e.dtype, e.shape, e.offset, e.nbytes)
     for v in record.views:
         views[v.name] = _view(slot, v.name, v.dtype, v.shape, v.offset, v.nbytes)
+    if own_storages:
+        views = {name: own_storage(t) for name, t in views.items()}
     return views
 
 
@@ -44,3 +50,49 @@ def _view(slot: torch.Tensor, name: str, dtype: str, shape: tuple[int, ...], off
     # Offsets are 16-byte aligned (checked when the manifest was parsed), so viewing the bytes as any
     # dtype of at most 16 bytes per element is legal without a copy.
     return slot[offset:offset + nbytes].view(torch_dtype(dtype, tensor=name)).view(shape)
+
+
+def own_storage(flat: torch.Tensor) -> torch.Tensor:
+    """The contiguous tensor `flat`'s bytes, dtype and shape, through a storage object of its own (no copy).
+
+    The gatherer gives every weight view a storage of its own, so a compiler sees each weight as
+    memory of its own. `shardprep::layer_begin`/`layer_end` declare that they write the layer's
+    weights (runtime/layer_ops.py); if weights were views of one shared slot storage, AOTAutograd
+    would merge them into one base (which it refuses for views of another dtype than their
+    storage's) or copy them before the op, and Inductor could not run the ops in place. The slot
+    schedule, not the compiler, keeps the layers that share a slot apart. The result keeps `flat`
+    alive.
+
+    >>> slot = torch.arange(8, dtype=torch.uint8)
+    >>> alias = own_storage(slot[2:6])
+    >>> alias.tolist(), alias.data_ptr() == slot.data_ptr() + 2
+    ([2, 3, 4, 5], True)
+    >>> alias.untyped_storage()._cdata != slot.untyped_storage()._cdata
+    True
+    """
+    if not flat.is_contiguous():
+        raise RuntimeShardError("own_storage takes a contiguous tensor")
+    if flat.numel() == 0 or flat.device.type == "meta":
+        return flat
+    raw = flat.reshape(-1).view(torch.uint8)
+    if flat.device.type == "cuda":
+        alias = torch.as_tensor(_CudaBytes(raw), device=flat.device)
+    elif flat.device.type == "cpu":
+        window = (ctypes.c_uint8 * raw.numel()).from_address(raw.data_ptr())
+        window.keep_alive = raw  # type: ignore[attr-defined]
+        alias = torch.frombuffer(window, dtype=torch.uint8)
+    else:
+        return flat
+    return alias.view(flat.dtype).view(flat.shape)
+
+
+class _CudaBytes:
+    """A CUDA tensor's bytes as `__cuda_array_interface__`, which torch.as_tensor wraps in a new storage."""
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat = flat  # the new tensor holds this object, so it keeps `flat` alive
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.flat.numel(),), "typestr": "|u1", "data": (self.flat.data_ptr(), False),
+                "version": 3, "strides": None, "stream": None}
