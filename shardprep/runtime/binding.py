@@ -1,17 +1,22 @@
-"""Module binding: point a model's target parameters at the gatherer's slot views while their layer runs.
+"""Module binding: a model's target parameters bound, once and for good, to the gatherer's views.
 
-Each bound layer gets a forward pre-hook (`wait(ℓ)`, which also dispatches ℓ+1's gather, then the
-parameters are pointed at the views) and a forward hook (parameters back to placeholders, `done(ℓ)`).
-Outside its layer's forward a target parameter is a placeholder: a zero-stride expansion of one NaN
-element, so it has the right shape, dtype and device but owns no memory, and anything that reads it
-outside the layer gets NaN instead of another layer's weights.
+Every target parameter is pointed at its view when the model is bound: layer ℓ's weights always live
+at the same addresses (its slot's, or its own zero-copy view's), and only their bytes change, gathered
+while nothing reads them. Each bound decoder layer gets a forward pre-hook that calls
+`shardprep::layer_begin` and a forward hook that calls `shardprep::layer_end` (runtime/layer_ops.py):
+eagerly, `wait(ℓ)` (which dispatches ℓ+1's gather) and `done(ℓ)`. The first decoder layer's pre-hook
+also begins the forward, so the first gather overlaps the replicated layers in front of the first
+bound one. Because the hooks only call ops, `torch.compile` (and vLLM's compiled decode) traces them
+without a graph break, and CUDA graphs capture fixed weight addresses.
+
+Outside its layer's forward a target parameter reads whatever its slot holds at that moment (another
+layer's weights once the slot is reused): only the layer itself may read it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +25,7 @@ from torch import nn
 from ..errors import RuntimeShardError
 from ..manifests.dtypes import torch_dtype
 from ..manifests.manifest import LayerRecord, Manifest
+from . import layer_ops
 
 if TYPE_CHECKING:
     from ..loader.rank_shards import RankShards
@@ -30,55 +36,61 @@ LayerModules = str | Sequence[nn.Module] | Mapping[int, nn.Module]
 
 @dataclass
 class BoundLayer:
-    """One manifest layer bound to its module: which parameter each gathered view replaces."""
+    """One manifest layer bound to its module: which parameter each gathered view backs."""
 
     index: int
     position: int
     module: nn.Module
     params: list[tuple[nn.Parameter, str]]
-    placeholders: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """The bound parameters, in binding order (what the layer ops declare they write)."""
+        return [param for param, _ in self.params]
 
     def point(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Every bound parameter's data becomes its tensor in `weights` (a gathered view), no copy.
+        """Every bound parameter's data becomes its tensor in `weights` (a view), no copy.
 
-        >>> layer.point(gatherer.wait(layer.index))  # doctest: +SKIP
+        >>> layer.point(gatherer.views(layer.index))  # doctest: +SKIP
         """
         for param, name in self.params:
             param.data = weights[name]
 
-    def restore(self) -> None:
-        """Every bound parameter back to its placeholder (no storage).
-
-        >>> layer.restore()  # doctest: +SKIP
-        """
-        for (param, _), placeholder in zip(self.params, self.placeholders):
-            param.data = placeholder
-
 
 class Binding:
-    """A model whose target parameters live in the gatherer's slots, one layer at a time.
+    """A model whose target parameters live in the gatherer's slots, gathered layer by layer.
 
-    Made by `bind`; `remove()` takes the hooks off (the targets stay placeholders).
+    Made by `bind`; `remove()` takes the hooks off (the targets keep pointing at the slots).
 
     >>> binding = bind(model, open_rank("out/", rank))  # doctest: +SKIP
     >>> logits = binding.model(input_ids).logits  # doctest: +SKIP
     """
 
-    def __init__(self, model: nn.Module, shards: RankShards, gatherer: LayerGatherer, layers: list[BoundLayer]):
+    def __init__(self, model: nn.Module, shards: RankShards, gatherer: LayerGatherer, layers: list[BoundLayer],
+                 first: nn.Module | None = None):
         self.model = model
         self.shards = shards
         self.gatherer = gatherer
         self.layers = layers
         self.forward_count = 0
-        # Where the current forward is: the position (in gatherer order) of the next layer to run, and
-        # whether begin() was issued for it. A forward ends when the last bound layer is done.
+        # Where the current forward is: the position (in gatherer order) of the next bound layer, and whether
+        # begin() was issued for it. A forward ends when the last bound layer is done.
         self._position = 0
         self._begun = False
-        self._inside: BoundLayer | None = None  # the layer whose views the parameters point at now
-        self._handles = [model.register_forward_pre_hook(self._on_model_forward)]
+        # Written by both ops, so a compiler keeps them in program order (layer_ops.py).
+        self.order = torch.zeros(1, dtype=torch.int32, device=shards.device)
+        self.handle = layer_ops.register(self)
         for layer in layers:
-            self._handles.append(layer.module.register_forward_pre_hook(partial(self._enter, layer)))
-            self._handles.append(layer.module.register_forward_hook(partial(self._exit, layer), always_call=True))
+            layer.point(gatherer.views(layer.index))
+        self._addresses = [[p.data_ptr() for p in layer.weights] for layer in layers]
+        self._handles: list[Any] = []
+        if first is not None and first is not layers[0].module:  # an unbound layer in front: it begins
+            self._handles.append(first.register_forward_pre_hook(
+                _begin_hook(self, layers[0].weights, layer_ops.BEGIN_ONLY), with_kwargs=True))
+        for layer in layers:
+            self._handles.append(layer.module.register_forward_pre_hook(
+                _begin_hook(self, layer.weights, layer.position), with_kwargs=True))
+            self._handles.append(layer.module.register_forward_hook(_end_hook(self, layer.weights, layer.position)))
 
     @property
     def target_parameters(self) -> dict[str, nn.Parameter]:
@@ -94,49 +106,82 @@ class Binding:
         self.gatherer.idle_step()
 
     def remove(self) -> None:
-        """Remove the hooks. Target parameters stay placeholders (their bytes live only in the shards)."""
+        """Remove the hooks. The targets keep pointing at the slots, whose bytes change with every gather."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        layer_ops.unregister(self.handle)
+
+    # -- what the ops run (eagerly, or between the pieces of a compiled graph) ------------------------
+    def layer_begin(self, position: int, weights: list[torch.Tensor]) -> None:
+        """layer_begin(position): begin the forward if this is its first op, then wait for the layer's gather."""
+        if position == layer_ops.BEGIN_ONLY:
+            self._begin()
+            return
+        self._check_addresses(position, weights)
+        # A forward that stopped midway (an exception inside a layer) is abandoned here: the gatherer lets
+        # the gathers already issued complete and starts again at the first layer, as every rank must.
+        if position == 0 and not (self._begun and self._position == 0):
+            self._begin()
+        if position != self._position:
+            raise RuntimeShardError(self._out_of_order(self.layers[position]))
+        self.gatherer.wait(self.layers[position].index)
+
+    def layer_end(self, position: int, weights: list[torch.Tensor]) -> None:
+        """layer_end(position): the layer's compute is issued, its slot may be gathered into again."""
+        self._check_addresses(position, weights)
+        self.gatherer.done(self.layers[position].index)
+        self._position = position + 1
+        if self._position == len(self.layers):
+            self._position, self._begun = 0, False
+
+    def _check_addresses(self, position: int, weights: list[torch.Tensor]) -> None:
+        # A compiler that does not run the ops in place (AOTAutograd's functionalization without Inductor's
+        # reinplacing, e.g. backend="aot_eager") hands them copies taken before the gather, and the layer
+        # would then read those stale copies: refuse instead of computing with the wrong weights.
+        expected = self._addresses[position]
+        for k, w in enumerate(weights):
+            if w.data_ptr() != expected[k]:
+                name = self.layers[position].params[k][1]
+                raise RuntimeShardError(
+                    f"{name}: the compiled graph passed a copy of this weight to shardprep::layer_begin/layer_end, "
+                    "so the layer would read bytes gathered for another layer; compile with backend='inductor' "
+                    "(which runs the ops in place) or without AOTAutograd (backend='eager'), or use vLLM's "
+                    "piecewise compilation"
+                )
 
     def _begin(self) -> None:
         self.gatherer.begin()
-        self._begun = True
+        self._position, self._begun = 0, True
         self.forward_count += 1
-
-    def _on_model_forward(self, module: nn.Module, args: Any) -> None:
-        # Issuing the first gather here, not in the first layer's hook, lets it overlap the embedding
-        # and the replicated layers in front of the first bound one.
-        if self._begun and self._position == 0:
-            return
-        # A forward that stopped midway (an exception inside a layer) is abandoned: the gatherer lets
-        # the gathers already issued complete and starts again at the first layer, as every rank must.
-        self._position = 0
-        self._begin()
-
-    def _enter(self, layer: BoundLayer, module: nn.Module, args: Any) -> None:
-        if layer.position != self._position:
-            raise RuntimeShardError(self._out_of_order(layer))
-        if not self._begun:  # the layers were called without the bound model's forward
-            self._begin()
-        layer.point(self.gatherer.wait(layer.index))
-        self._inside = layer
-
-    def _exit(self, layer: BoundLayer, module: nn.Module, args: Any, output: Any) -> None:
-        if self._inside is not layer:  # _enter raised (always_call runs this hook anyway): nothing to undo
-            return
-        self._inside = None
-        layer.restore()  # before done(): after done() the slot may be overwritten by a later gather
-        self.gatherer.done(layer.index)
-        self._position += 1
-        if self._position == len(self.layers):
-            self._position = 0
-            self._begun = False
 
     def _out_of_order(self, layer: BoundLayer) -> str:
         expected = self.layers[self._position].index
         return (f"layer {layer.index} ran while layer {expected} was expected next; bound layers must run once "
                 "per forward, in manifest order, because every rank gathers them in that order")
+
+
+def _begin_hook(binding: Binding, weights: list[torch.Tensor], position: int) -> Callable[..., None]:
+    handle, order = binding.handle, binding.order
+
+    # `_owner` keeps the binding alive as long as the model holds the hook (the op registry is weak).
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _owner: Binding = binding) -> None:
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        inputs += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        torch.ops.shardprep.layer_begin(inputs, weights, order, handle, position)
+
+    return hook
+
+
+def _end_hook(binding: Binding, weights: list[torch.Tensor], position: int) -> Callable[..., None]:
+    handle, order = binding.handle, binding.order
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any, _owner: Binding = binding) -> None:
+        outputs = [output] if isinstance(output, torch.Tensor) else [
+            o for o in (output if isinstance(output, (tuple, list)) else ()) if isinstance(o, torch.Tensor)]
+        torch.ops.shardprep.layer_end(outputs, weights, order, handle, position)
+
+    return hook
 
 
 def bind(
@@ -151,7 +196,8 @@ def bind(
     entries (`model.layers` for `model.layers.3.self_attn.q_proj.weight`), a dotted path names it,
     and a sequence or {index: module} mapping gives the modules directly. A fused view
     (`qkv_proj`, `gate_up_proj`) binds to a fused parameter when the model has one, else its members
-    bind one by one. The targets' own storage is released: they become placeholders that own no memory.
+    bind one by one. Every target parameter is pointed at its view now, for good; the storage the model
+    had allocated for it is released. The first decoder layer begins each forward.
 
     >>> shards = open_rank("out/", rank=dist.get_rank())  # doctest: +SKIP
     >>> binding = bind(model, shards)  # doctest: +SKIP
@@ -162,35 +208,28 @@ def bind(
 
         gatherer = LayerGatherer(shards)
     manifest: Manifest = shards.manifest
-    modules = _layer_modules(model, manifest, layers)
+    modules, first = _layer_modules(model, manifest, layers)
     order = list(gatherer.layers)
     bound = [_bind_layer(manifest.layer(index), position, modules[index]) for position, index in enumerate(order)]
     _check_not_shared(model, bound)
-    # Placeholders live where the views will, so moving the model (`.to(device)`) leaves them alone.
-    holes: dict[torch.dtype, torch.Tensor] = {}
     for layer in bound:
         for param, _ in layer.params:
-            hole = holes.get(param.dtype)
-            if hole is None:
-                fill = float("nan") if param.dtype.is_floating_point else 0
-                hole = holes[param.dtype] = torch.full((1,), fill, dtype=param.dtype, device=shards.device)
-            placeholder = hole.expand(param.shape)
-            layer.placeholders.append(placeholder)
             param.requires_grad_(False)
-            param.data = placeholder
-    return Binding(model, shards, gatherer, bound)
+    return Binding(model, shards, gatherer, bound, first)
 
 
-def _layer_modules(model: nn.Module, manifest: Manifest, layers: LayerModules | None) -> dict[int, nn.Module]:
+def _layer_modules(model: nn.Module, manifest: Manifest,
+                   layers: LayerModules | None) -> tuple[dict[int, nn.Module], nn.Module]:
+    """{manifest layer index: its module}, and the model's first decoder layer (the one that begins a forward)."""
     indices = [r.layer for r in manifest.layers]
     if isinstance(layers, Mapping):
         missing = [i for i in indices if i not in layers]
         if missing:
             raise RuntimeShardError(f"layers= has no module for manifest layer {missing[0]}")
-        return {i: layers[i] for i in indices}
+        return {i: layers[i] for i in indices}, layers[min(layers)]
     found: Any = _find_layer_list(model, manifest, layers) if layers is None or isinstance(layers, str) else layers
     try:
-        return {i: found[i] for i in indices}
+        return {i: found[i] for i in indices}, found[0]
     except IndexError:
         raise RuntimeShardError(
             f"the model has {len(found)} layers but the manifest has layer {max(indices)}; "
@@ -273,8 +312,8 @@ def _check_param(param: nn.Parameter, name: str, dtype: str, shape: tuple[int, .
 
 
 def _check_not_shared(model: nn.Module, bound: list[BoundLayer]) -> None:
-    # A target tied to a parameter outside its layer would read a placeholder (or another layer's
-    # slot) whenever that other user runs.
+    # A target tied to a parameter outside its layer would read whatever its slot holds (another layer's
+    # weights) whenever that other user runs.
     module_names = {id(m): n for n, m in model.named_modules()}
     owner = {id(p): layer for layer in bound for p, _ in layer.params}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -71,7 +71,7 @@ def build_model(
 
     # transformers places everything on the CPU unless given a device_map, which needs accelerate; so
     # the model is loaded on the CPU (the replicated tensors mapped, not copied), bound, and then moved:
-    # bound targets are placeholders already on `device`, which `.to()` leaves as they are.
+    # bound targets are views already on `device`, which `.to()` leaves as they are.
     state_dict = dict(shards.load_replicated("cpu"))
     state_dict.update(_target_placeholders(shards))
     model = _from_state_dict(directory, config_dict, state_dict, trust_remote_code)

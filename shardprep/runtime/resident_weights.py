@@ -2,7 +2,8 @@
 
 `shardprep profile` times each layer's compute with replicated weights (no gathers at all) on the very
 model it then times sharded: every bound layer is gathered once into a buffer of its own, the hooks are
-taken off, and the target parameters point at those buffers. `detach()` puts the placeholders back.
+taken off, and the target parameters point at those buffers. `detach()` points them back at the
+gatherer's views.
 Costs R (all the targets) of device memory while attached.
 """
 
@@ -52,7 +53,7 @@ class ResidentWeights:
             layer.point(self._full[layer.index])
 
     def detach(self) -> None:
-        """Targets back to their placeholders and the copies freed; bind() the model again to gather."""
+        """Targets back on the gatherer's views and the copies freed; bind() the model again to gather."""
         for layer in self.binding.layers:
-            layer.restore()
+            layer.point(self.binding.gatherer.views(layer.index))
         self._full.clear()

@@ -292,11 +292,13 @@ def _tokenizer(directory: Path, trust_remote_code: bool) -> Any:
 
 
 def _rank_info(binding: Binding, rank: int) -> RankInfo:
+    bound = {id(p) for p in binding.target_parameters.values()}
     return RankInfo(
         rank=rank,
         device=str(binding.shards.device),
         backend=binding.gatherer.backend_name,
-        parameter_bytes=_storage_bytes(binding.model.parameters()),
+        # The targets live in the slots (counted in slot_bytes), not in storage of the model's own.
+        parameter_bytes=_storage_bytes(p for p in binding.model.parameters() if id(p) not in bound),
         buffer_bytes=_storage_bytes(binding.model.buffers()),
         shard_bytes=binding.shards.nbytes,
         slot_bytes=binding.gatherer.slot_bytes,
