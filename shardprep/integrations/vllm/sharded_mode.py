@@ -1,10 +1,11 @@
 """Sharded mode: DP attention inside vLLM, each data-parallel rank holding only its own rank file.
 
 Rank r of N (N = the manifest's world size = vLLM's data-parallel size) maps only
-`rank_files[r]`, binds the model's target parameters to a `LayerGatherer` over a group of the N DP
+`rank_files[r]`, binds the model's target parameters, once, to a `LayerGatherer`'s views over a group of the N DP
 ranks (gloo on the CPU), and loads only the non-targets into the model. Before each bound decoder
-layer runs, its weights are gathered into one of two slots, one layer ahead; vLLM's idle DP ranks run
-dummy forwards of MoE models, so every rank issues the same gathers. Nothing here imports vLLM:
+layer runs, its weights are gathered into one of two slots, one layer ahead, by the two ops that
+`bind` puts around the layer (runtime/layer_ops.py), which vLLM's compiled model calls like any op;
+vLLM's idle DP ranks run dummy forwards of MoE models, so every rank issues the same gathers. Nothing here imports vLLM:
 what depends on it comes in through `ParallelLayout` and the `keep_plain_linear` callback.
 """
 
@@ -31,11 +32,6 @@ def check_layout(layout: ParallelLayout, manifest: Manifest, directory: str | Pa
 
     >>> check_layout(layout, load_manifest("out/"), "out/")  # doctest: +SKIP
     """
-    if not layout.eager:
-        raise ShardprepError(
-            "shard_weights needs enforce_eager=True (--enforce-eager): the gathers run in forward hooks, which "
-            "vLLM's torch.compile and CUDA graphs do not capture yet (see docs/serving.md)"
-        )
     if layout.tp_size != 1 or layout.pp_size != 1:
         raise ShardprepError(
             f"shard_weights is DP attention: tensor_parallel_size and pipeline_parallel_size must be 1, got "
