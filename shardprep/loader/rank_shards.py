@@ -6,8 +6,8 @@ bytes are read on first use, straight into the memory that use chooses: the gath
 allocations, its backend's registered memory, or (any other use) a plain buffer on the device. So
 startup never holds the rank's bytes twice on the device.
 
-The file is read with `pread`, never mapped: its pages stay in the page cache (no anonymous copy of
-the file, no mapped file pages in the process), on a CUDA device through a bounded pinned staging
+The bytes are read with `pread` (only `verify` maps the file, one chunk's pages at a time): they stay in
+the page cache, with no anonymous copy of the file, on a CUDA device through a bounded pinned staging
 buffer, so the host's memory stays at `staging_bytes` whatever the size of the model. The buffer is
 laid out like the file, header included, so `file_offset` is also the offset in the buffer. On a CPU
 device the buffer itself is the "device" memory and the file is read straight into it. Paths,
@@ -72,26 +72,32 @@ class RankShards:
     >>> shards.chunk(1).numel() == shards.manifest.layer(1).chunk_bytes  # doctest: +SKIP
     """
 
-    def __init__(self, manifest: Manifest, rank: int, buffer: torch.Tensor | None,
-                 directory: str | Path | None = None, *, unread: _UnreadFile | None = None):
-        if (buffer is None) == (unread is None):
-            raise RuntimeShardError("RankShards takes a buffer or an unread file, not both or neither; "
-                                    "use open_rank(DIR, rank)")
+    _buffer: torch.Tensor | None  # None until the file is read
+    _unread: _UnreadFile | None  # the checked file until then
+
+    def __init__(self, manifest: Manifest, rank: int, buffer: torch.Tensor, directory: str | Path | None = None):
+        self._setup(manifest, rank, directory, buffer.device)
+        self._buffer = self._checked(buffer)
+
+    @classmethod
+    def _of_unread(cls, manifest: Manifest, rank: int, directory: Path, file: _UnreadFile) -> RankShards:
+        """Shards whose bytes are still in `file`, read on first use; the descriptor is closed then, or with them."""
+        shards = cls.__new__(cls)
+        shards._setup(manifest, rank, directory, file.device)
+        shards._unread = file
+        shards._close = weakref.finalize(shards, os.close, file.fd)
+        return shards
+
+    def _setup(self, manifest: Manifest, rank: int, directory: str | Path | None, device: torch.device) -> None:
         self.manifest = manifest
         self.rank = rank
         self.world_size = manifest.world_size
         self.directory = Path(directory) if directory is not None else None
         self._records = {r.layer: r for r in manifest.layers}
-        self._buffer: torch.Tensor | None = None
-        self._unread = unread
+        self._device = device
+        self._buffer = None
+        self._unread = None
         self._close: Callable[[], Any] = lambda: None
-        if buffer is not None:
-            self._buffer = self._checked(buffer)
-            self._device = buffer.device
-        else:
-            assert unread is not None
-            self._device = unread.device
-            self._close = weakref.finalize(self, os.close, unread.fd)
 
     @property
     def device(self) -> torch.device:
@@ -303,7 +309,7 @@ def open_rank(
     except BaseException:
         os.close(fd)
         raise
-    shards = RankShards(manifest, rank, None, directory, unread=_UnreadFile(fd, file, device, staging_bytes))
+    shards = RankShards._of_unread(manifest, rank, directory, _UnreadFile(fd, file, device, staging_bytes))
     if allocate is not None:
         shards.rehome(allocate)
     return shards

@@ -85,3 +85,18 @@ def test_sharded_load_peaks_at_steady_state_plus_one_layer(loads):
     held = sharded["rss_after"] - sharded["rss_before"]
     assert held >= sharded["shard_bytes"], sharded  # the measurement sees the shards the rank holds
     assert sharded["hwm"] - sharded["rss_after"] <= sharded["max_layer_bytes"], sharded
+
+
+def test_targets_are_recognised_by_layer_and_name_inside_the_layer_as_bind_finds_them(tmp_path, checkpoint_cache):
+    from shardprep.integrations.vllm.model_loader import bound_later
+    from shardprep.manifests import load_manifest
+
+    out = tmp_path / "out"
+    convert(checkpoint_cache("llama"), out, 2, preset="llama")  # layers 1-2 sharded, q/k/v fused
+    is_target = bound_later(load_manifest(out))
+    assert is_target("model.layers.1.self_attn.qkv_proj.weight")  # the fused view, as vLLM names it
+    assert is_target("model.layers.2.self_attn.o_proj.weight")
+    assert is_target("language_model.model.layers.2.self_attn.o_proj.weight")  # another prefix, same layer
+    assert not is_target("model.layers.0.self_attn.qkv_proj.weight")  # layer 0 is not sharded
+    assert not is_target("model.layers.1.mlp.gate_up_proj.weight")  # not a target
+    assert not is_target("model.layers.1.self_attn.qkv_proj.bias")
