@@ -154,7 +154,7 @@ def _gpu_startup(rank: int, n: int, out: str, backend: str) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     alloc0, reserved0 = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-    pinned0 = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
+    pinned0 = getattr(torch.cuda, "host_memory_stats", dict)().get("allocated_bytes.all.current", 0)
     free0, total = torch.cuda.mem_get_info(device)
     used = []
 
@@ -174,7 +174,7 @@ def _gpu_startup(rank: int, n: int, out: str, backend: str) -> dict:
         "used": used,
         "torch_peak": torch.cuda.max_memory_allocated(device) - alloc0,
         "torch_reserved_peak": torch.cuda.max_memory_reserved(device) - reserved0,
-        "pinned_peak": torch.cuda.host_memory_stats().get("allocated_bytes.all.peak", 0) - pinned0,
+        "pinned_peak": getattr(torch.cuda, "host_memory_stats", dict)().get("allocated_bytes.all.peak", 0) - pinned0,
         "shard_bytes": shards.nbytes, "slot_bytes": gatherer.slot_bytes, "zero_copy": gatherer.zero_copy,
         "replicated_bytes": sum(p.numel() * p.element_size() for p in replicated),
         "tag_bytes": 4 * (2 + 2 * n) * len(gatherer.layers),
