@@ -45,15 +45,17 @@ REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Load (bench_load.py)"
 STEPS_SECTION = "## Startup steps (bench_load.py --steps --device {device})"
 
-PHASE = r"""
-import json, os, sys, threading, time
+PRELUDE = r"""
+import gc, json, os, sys, threading, time
 sys.path.insert(0, {repo!r})
 
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
+"""
 
+PHASE = PRELUDE + r"""
 def read_bytes():
     for line in open("/proc/self/io"):
         if line.startswith("read_bytes:"):
@@ -123,20 +125,13 @@ print(json.dumps({{"seconds": seconds, "read_bytes": read_bytes() - io0, "loaded
                   "anon_peak": peak[0] - anon0, "rss_peak": peak[1] - rss0}}))
 """
 
-STEPS = r"""
-import gc, json, os, sys
-sys.path.insert(0, {repo!r})
+STEPS = PRELUDE + r"""
 import torch
 import torch.distributed as dist
 from shardprep.loader import open_rank
 from shardprep.runtime import LayerGatherer, make_backend
 from shardprep.runtime.hf_model import build_model
 from transformers.models.llama import modeling_llama  # imported before the baseline, like everything else
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
 
 rank, n, args = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), {args!r}
 cuda = args["device"] == "cuda"

@@ -20,20 +20,13 @@ import os
 
 import pytest
 import torch
+from checkpoints import LLAMA_ALL_LINEAR
 from spawn_group import run_ranks
 
 from shardprep.prep.convert import convert
 from shardprep.prep.inspect import inspect
 
 MIB = 1 << 20
-# Targets dominate: attention and MLP of layers 1-, fused as vLLM fuses them.
-ALL_LINEAR = {
-    "name": "llama-all-linear",
-    "targets": ["*.layers.*.self_attn.*.weight", "*.layers.*.mlp.*.weight"],
-    "fused": [{"name": "self_attn.qkv_proj.weight",
-               "members": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]},
-              {"name": "mlp.gate_up_proj.weight", "members": ["mlp.gate_proj.weight", "mlp.up_proj.weight"]}],
-}
 # Process-wide costs that do not grow with the model (gloo's group, the gatherer's bookkeeping, allocator
 # rounding); on this machine the shards-only phase measured 3 MiB above R/N.
 HOST_SLACK = 8 * MIB
@@ -42,7 +35,7 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 def _converted(checkpoint_cache, tmp_path, ranks: int, chunk_alignment: str):
     preset = tmp_path / "all-linear.json"
-    preset.write_text(json.dumps(ALL_LINEAR))
+    preset.write_text(json.dumps(LLAMA_ALL_LINEAR))
     out = tmp_path / "out"
     convert(checkpoint_cache("llama", layers=4, hidden=1024, tokenizer=False), out, ranks, preset=str(preset),
             chunk_alignment=chunk_alignment)

@@ -24,18 +24,12 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(2400)
 
 import load_probe  # noqa: E402
+from checkpoints import LLAMA_ALL_LINEAR  # noqa: E402
 from engine_runs import run_engines  # noqa: E402
 
 from shardprep.prep.convert import convert  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ALL_LINEAR = {
-    "name": "llama-all-linear",
-    "targets": ["*.layers.*.self_attn.*.weight", "*.layers.*.mlp.*.weight"],
-    "fused": [{"name": "self_attn.qkv_proj.weight",
-               "members": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]},
-              {"name": "mlp.gate_up_proj.weight", "members": ["mlp.gate_proj.weight", "mlp.up_proj.weight"]}],
-}
 LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 8, "dtype": "bfloat16", "seed": 0,
        "load_format": "shardprep"}
 PROMPTS = [["hello world", "the model shard weights"]]
@@ -45,7 +39,7 @@ PROMPTS = [["hello world", "the model shard weights"]]
 def loads(checkpoint_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-load-memory")
     preset = root / "all-linear.json"
-    preset.write_text(json.dumps(ALL_LINEAR))
+    preset.write_text(json.dumps(LLAMA_ALL_LINEAR))
     out = root / "out"
     convert(checkpoint_cache("llama", layers=8, hidden=1024, head_dim=64), out, 1,
             preset=str(preset))
