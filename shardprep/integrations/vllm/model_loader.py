@@ -69,8 +69,8 @@ def bound_later(manifest: Manifest) -> Callable[[str], bool]:
     as `bind` matches it, by layer index and the name inside the layer (`model.layers.3.self_attn.o_proj.weight`
     → (3, `self_attn.o_proj.weight`)), whatever the model calls its layer list.
 
-    >>> bound_later(load_manifest("out/"))("model.layers.1.self_attn.qkv_proj.weight")  # doctest: +SKIP
-    True
+    >>> is_target = bound_later(load_manifest("out/"))  # doctest: +SKIP
+    >>> model_name_is_target = is_target("model.layers.1.self_attn.qkv_proj.weight")  # doctest: +SKIP
     """
     inside = {_inside_layer(name, r.layer) for r in manifest.layers
               for name in [*(e.name for e in r.entries), *(v.name for v in r.views)]}
