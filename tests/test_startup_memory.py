@@ -122,6 +122,19 @@ def test_cpu_startup_peak_is_within_shards_slots_and_replicated(cpu_runs):
         assert got["startup_peak"] <= predicted + HOST_SLACK, (got, predicted)
 
 
+def test_one_rank_zero_copy_maps_each_view_on_its_own_chunk_and_needs_no_slot_memory():
+    # What lets one GPU run the load-into-place path: a one-rank manifest's views are the chunks themselves.
+    from test_zero_copy import aligned_manifest
+
+    from shardprep.runtime import zero_copy as zc
+
+    m = aligned_manifest(1, first_offset=2 * MIB)
+    plan = zc.plan_views(m, 0, 2 * MIB)
+    assert plan.slot_bytes == 0 and plan.units_per_slot == 0
+    assert [[(x.at, x.source, x.index) for x in view] for view in plan.layers] == [
+        [(0, "chunk", i)] for i in range(len(m.layers))]
+
+
 # -- GPU ----------------------------------------------------------------------------------------------
 def _gpu_startup(rank: int, n: int, out: str, backend: str) -> dict:
     import gc
