@@ -123,3 +123,17 @@ def test_sharded_mode_refuses_a_model_whose_layers_it_cannot_find(checkpoint_cac
     model.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
     with pytest.raises(RuntimeShardError, match="no ModuleList named like 'model.layers'"):
         load_sharded(model, out, layout(dp_size=1, dp_world_ranks=(0,)), keep_plain_linear=lambda m: None)
+
+
+def test_the_cpu_all_gatherv_op_gives_every_gathered_tensor_one_row_count_under_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardprep.integrations.vllm import compat  # noqa: F401  (registers the ops; imports no vLLM)
+
+    with FakeTensorMode():
+        hidden, router = torch.empty(3, 8, dtype=torch.bfloat16), torch.empty(3, 4)
+        gathered = torch.ops.shardprep.cpu_all_gatherv([hidden, router], [3, 5], 0)
+        scattered = torch.ops.shardprep.cpu_reduce_scatterv(torch.empty(8, 6), 0, [3, 5], 1, 0)
+    assert [tuple(t.shape) for t in gathered] == [(8, 8), (8, 4)]
+    assert [t.dtype for t in gathered] == [torch.bfloat16, torch.float32]
+    assert tuple(scattered.shape) == (5, 6)

@@ -9,8 +9,8 @@ vLLM's offline data-parallel example (`VLLM_DP_*` variables), each running every
 its DP rank. A DP rank waits for its peers before shutting an engine down: an idle rank's engine must
 keep taking part in the collectives until the busiest rank is done.
 
-PLAN: {"dp_size": N, "runs": [{"name", "model" (a path, or one per DP rank), "llm" (LLM kwargs),
-"prompts" (one list per DP rank), "max_tokens" (one per DP rank)}]}. RESULTS: {name: [per DP rank:
+PLAN: {"dp_size": N, "env" (optional: variables for every engine process), "runs": [{"name", "model" (a path,
+or one per DP rank), "llm" (LLM kwargs), "prompts" (one list per DP rank), "max_tokens" (one per DP rank)}]}. RESULTS: {name: [per DP rank:
 {"tokens": [[ids] per prompt]} or {"error": "Type: message"}]}. Tests call `run_engines(plan, workdir)`,
 which runs this script in a subprocess and keeps everything it prints in `workdir/engines.log`.
 """
@@ -94,6 +94,7 @@ def free_ports(n: int) -> list[int]:
 
 def main(plan_path: str, results_path: str) -> None:
     plan = json.loads(open(plan_path).read())
+    os.environ.update(plan.get("env", {}))
     n = plan["dp_size"]
     # Several engines per DP rank, each with its own DP master port (a closed port lingers in TIME_WAIT).
     ports = free_ports(len(plan["runs"]))
