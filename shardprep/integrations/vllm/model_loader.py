@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torch import nn
-from vllm.config import ModelConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
@@ -29,6 +29,7 @@ class ShardprepModelLoader(BaseModelLoader):
         super().__init__(load_config)
         self.options = ShardprepLoadOptions.from_extra_config(load_config.model_loader_extra_config)
         self.binding: Binding | None = None
+        self._bound_before_processing: dict[str, compat.ParameterPlace] = {}
 
     def download_model(self, model_config: ModelConfig) -> None:
         load_manifest(model_config.model)  # nothing to download: a local output directory, or a clear refusal
@@ -41,5 +42,15 @@ class ShardprepModelLoader(BaseModelLoader):
         if not self.options.shard_weights:
             load_full(model, directory, self.options.verify)
             return
-        self.binding = load_sharded(model, directory, layout, compat.keep_plain_linear, self.options.verify)
+        self.binding = load_sharded(model, directory, layout, compat.keep_plain_linear, self.options.verify,
+                                    refuse_post_processed=compat.refuse_post_processed)
+        self._bound_before_processing = compat.bound_places(model, self.binding.target_parameters)
         compat.logger().info(startup_line(self.binding, directory))
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        # vLLM's process_weights_after_loading runs inside, after load_weights: check that it left every
+        # bound parameter where the binding put it.
+        model = super().load_model(vllm_config, model_config, prefix)
+        if self.binding is not None:
+            compat.refuse_replaced_after_processing(self._bound_before_processing, self.binding.target_parameters)
+        return model
