@@ -8,12 +8,8 @@ methods) runs inside vLLM in tests/vllm_engines/test_vllm_mla.py.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
-import torch.distributed as dist
-from spawn_group import free_port
 from torch import nn
 
 from shardprep.errors import ShardprepError
@@ -25,14 +21,6 @@ from shardprep.prep.convert import convert
 
 class Refused(ShardprepError):
     pass
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    gc.collect()  # the gatherer holds the group: free it before the group goes
-    dist.destroy_process_group()
 
 
 def two_linears() -> tuple[nn.Module, dict[str, nn.Parameter]]:
