@@ -2,7 +2,9 @@
 
 Each run starts N processes that import torch and transformers, so there are few cases: llama with
 more prompts than ranks (rank 1 idles), Qwen3-MoE from a sharded checkpoint on 4 ranks (ranks 1-3
-only idle), and BERT with every layer sharded.
+only idle), BERT with every layer sharded, and the MLA + MoE family with the `deepseek-v3` preset
+(DeepSeek-V3, a Kimi-K2-shaped config whose first sharded layer is dense, and DeepSeek-V3 without
+q_lora_rank), where q_a_proj and kv_a_proj_with_mqa bind one by one from their fused view.
 """
 
 import json
@@ -15,7 +17,6 @@ import torch
 from typer.testing import CliRunner
 
 from shardprep.cli import app
-from shardprep.loader import open_rank
 from shardprep.manifests import account, load_manifest
 from shardprep.prep.convert import convert
 
@@ -52,13 +53,22 @@ def transformers_outputs(src, prompts, causal, max_new_tokens=K, device="cpu"):
     return results
 
 
-def check_memory(summary, out):
-    """Per rank: R/N (+ 4 KiB alignment per layer) + 2·max|T| + the non-target bytes, and nothing else."""
+def replicated_parameter_bytes(src, out, causal):
+    """Bytes of the parameters transformers builds for the source's non-targets (its router may upcast to float32)."""
+    import transformers
+
+    targets = {e.name for record in load_manifest(out).layers for e in record.entries}
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    model = auto.from_pretrained(src)
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name not in targets)
+
+
+def check_memory(summary, out, replicated_params):
+    """Per rank: R/N (+ 4 KiB alignment per layer) + 2·max|T| + the non-target parameters, and nothing else."""
     manifest = load_manifest(out)
-    replicated = open_rank(out, 0).load_replicated()
-    acc = account(manifest, non_target_bytes=sum(t.nbytes for t in replicated.values()))
+    acc = account(manifest, non_target_bytes=replicated_params)
     for m in summary["ranks"]:
-        assert acc.non_target_bytes <= m["parameter_bytes"] <= acc.non_target_bytes + 16  # + one NaN placeholder
+        assert replicated_params <= m["parameter_bytes"] <= replicated_params + 16  # + one NaN placeholder
         assert acc.local_chunk_bytes <= m["shard_bytes"] <= acc.local_chunk_bytes + 4096 * len(manifest.layers)
         assert m["slot_bytes"] == 2 * manifest.max_total_bytes
         total = m["parameter_bytes"] + m["shard_bytes"] + m["slot_bytes"]
@@ -74,12 +84,16 @@ def check_memory(summary, out):
         ("bert", False, 2, {"targets": ["*.attention.self.*.weight", "*.intermediate.dense.weight"],
                             "layers": "all"}, ["hello fast world", "the layer"]),
         ("llama", False, 2, {"preset": "llama", "layers": "0,2-:2"}, ["shard every other layer"]),
+        ("deepseek-v3-mla", False, 2, {"preset": "deepseek-v3"}, ["hello world", "the model shard"]),
+        ("kimi-k2-mla", True, 2, {"preset": "deepseek-v3"}, ["hello world", "the model shard", "gpu"]),
+        ("deepseek-v3-mla-q-proj", False, 2, {"preset": "deepseek-v3"}, ["hello world", "the model shard"]),
     ],
-    ids=["llama-n2-idle-rank", "qwen3-moe-sharded-n4", "bert-all-layers-n2", "llama-even-layers-n2"],
+    ids=["llama-n2-idle-rank", "qwen3-moe-sharded-n4", "bert-all-layers-n2", "llama-even-layers-n2",
+         "deepseek-v3-n2", "kimi-k2-sharded-n2", "deepseek-v3-q-proj-n2"],
 )
 def test_run_matches_transformers_bit_for_bit(checkpoint_cache, tmp_path, arch, sharded, nproc, convert_kw,
                                               prompts):
-    src = checkpoint_cache(arch, sharded=sharded)
+    src = checkpoint_cache(arch, sharded=sharded, layers=4 if arch.endswith(("-mla", "-q-proj")) else 3)
     out = tmp_path / "out"
     convert(src, out, nproc, **convert_kw)
     saved = tmp_path / "outputs.pt"
@@ -96,7 +110,7 @@ def test_run_matches_transformers_bit_for_bit(checkpoint_cache, tmp_path, arch, 
         if causal:
             assert r["token_ids"] == tokens and len(tokens) == K
         assert output.dtype == reference.dtype and torch.equal(output, reference), r["prompt"]
-    check_memory(summary, out)
+    check_memory(summary, out, replicated_parameter_bytes(src, out, causal))
 
 
 @pytest.fixture(scope="module")

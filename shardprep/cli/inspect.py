@@ -11,6 +11,15 @@ from ._errors import cli_errors
 from ._format import ContextLen, HbmGb, KvDtype, NumSlots, capacity_rows, human_bytes, print_json
 
 
+def _checked_with_line(info: dict) -> str:
+    preset = (info["selection"] or {}).get("preset")
+    if info["checked_with"] is None:
+        what = f"preset {preset!r} as recorded" if preset else "no preset"
+        return f"checked with: unknown, the targets are not exactly a shipped preset's ({what}; `shardprep presets`)"
+    listed = ", ".join(f"{c['server']} ({c['mode']})" for c in info["checked_with"])
+    return f"checked with (preset {preset}): {listed or 'nothing'}"
+
+
 def inspect_command(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="Output directory of `shardprep convert`.")],
     num_slots: NumSlots = 2,
@@ -53,5 +62,6 @@ def inspect_command(
                   "alignment padding per rank")
     if info["totals"]["shortfall_reason"]:
         console.print(f"no memory saved: {info['totals']['shortfall_reason']}")
+    console.print(_checked_with_line(info))
     if info["quantization"]:
         console.print(f"quantization: {info['quantization']}")

@@ -14,6 +14,7 @@ from ..manifests.manifest import Manifest, load_manifest
 from ..manifests.paths import resolve_inside
 from ..manifests.replicated import MAX_INDEX_BYTES
 from ..manifests.strict_json import is_int, read_json_file
+from .selection import recorded_preset_checks
 from .source import read_config
 
 DEFAULT_HBM_BYTES = 141 * 10**9  # one H200
@@ -53,6 +54,7 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
         "quantization": m.quantization,
         "source": m.source,
         "selection": m.selection,
+        "checked_with": _checked_with(m.selection),
         "slot_model": ("aliased own chunk: the rank's chunk is mapped into its layer view (CUDA, chunk alignment "
                        f"{alignment} B)" if aliased else
                        f"copy: a slot holds all of T (chunk alignment {alignment} B is below the 2 MiB that mapping "
@@ -72,6 +74,11 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
         "kv_cache": kv.to_dict() if kv else None,
         "capacity": cap.to_dict(),
     }
+
+
+def _checked_with(selection: dict[str, Any] | None) -> list[dict[str, str]] | None:
+    checks = recorded_preset_checks(selection)
+    return None if checks is None else [{"server": c.server, "mode": c.mode, "test": c.test} for c in checks]
 
 
 def replicated_bytes(directory: str | Path, manifest: Manifest) -> int:

@@ -5,12 +5,13 @@ Rank r of N (N = the manifest's world size = vLLM's data-parallel size) maps onl
 ranks (gloo on the CPU), and loads only the non-targets into the model. Before each bound decoder
 layer runs, its weights are gathered into one of two slots, one layer ahead; vLLM's idle DP ranks run
 dummy forwards of MoE models, so every rank issues the same gathers. Nothing here imports vLLM:
-what depends on it comes in through `ParallelLayout` and the `keep_plain_linear` callback.
+what depends on it comes in through `ParallelLayout` and the `keep_plain_linear` and
+`refuse_post_processed` callbacks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -62,11 +63,13 @@ def load_sharded(
     layout: ParallelLayout,
     keep_plain_linear: Callable[[nn.Module], None],
     verify: bool = True,
+    refuse_post_processed: Callable[[nn.Module, Mapping[str, nn.Parameter]], None] | None = None,
 ) -> Binding:
     """Bind `model`'s targets to this DP rank's shards and load its other weights; returns the binding.
 
-    Collective over the DP ranks (each builds the same gatherer). `keep_plain_linear(module)` is called
-    for every module that owns a bound parameter, before vLLM post-processes the weights.
+    Collective over the DP ranks (each builds the same gatherer). `refuse_post_processed(model, bound)`
+    raises for a bound parameter that the server transforms after loading; then `keep_plain_linear(module)`
+    is called for every module that owns a bound parameter. Both run before vLLM post-processes the weights.
 
     >>> binding = load_sharded(model, "out/", compat.current_layout(), compat.keep_plain_linear)  # doctest: +SKIP
     """
@@ -79,6 +82,8 @@ def load_sharded(
     group = torch.distributed.new_group(list(layout.dp_world_ranks), backend=backend)
     gatherer = LayerGatherer(shards, group=group, backend="auto")
     binding = bind(model, shards, gatherer)
+    if refuse_post_processed is not None:
+        refuse_post_processed(model, binding.target_parameters)
     bound = {id(p) for p in binding.target_parameters.values()}
     for module in model.modules():
         if any(id(p) in bound for p in module.parameters(recurse=False)):
