@@ -41,5 +41,6 @@ class ShardprepModelLoader(BaseModelLoader):
         if not self.options.shard_weights:
             load_full(model, directory, self.options.verify)
             return
-        self.binding = load_sharded(model, directory, layout, compat.keep_plain_linear, self.options.verify)
+        self.binding = load_sharded(model, directory, layout, compat.keep_plain_linear, self.options.verify,
+                                    self.options.shard_group_size, self.options.allow_cross_node_groups)
         compat.logger().info(startup_line(self.binding, directory))

@@ -1,0 +1,226 @@
+"""Shard groups inside a larger world: the mapping (rank r → group r // N, rank file r mod N), its node
+check, the process groups every rank builds, and gathers, idle steps and step checks that stay inside
+one group.
+
+One gloo world of 4 ranks on 2 "nodes" (torchrun's GROUP_RANK 0 and 1, two ranks each) runs every
+scenario; process start is the cost. `shardprep run` across nodes is tested in test_run.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from spawn_group import run_ranks
+
+from shardprep.errors import ShardprepError
+from shardprep.manifests.shard_groups import ShardGroups, group_size_problem, largest_node_local_group
+from shardprep.prep.convert import convert
+
+W, N = 4, 2
+
+
+# -- the mapping, pure ---------------------------------------------------------------------------
+def test_rank_r_is_in_group_r_div_n_and_serves_rank_file_r_mod_n():
+    g = ShardGroups.node_major(world_size=16, group_size=8, ranks_per_node=8)
+    assert [g.group_of(r) for r in range(16)] == [0] * 8 + [1] * 8
+    assert [g.rank_file_of(r) for r in range(16)] == list(range(8)) * 2
+    assert g.enumeration() == [list(range(8)), list(range(8, 16))]
+    assert g.cross_node_groups() == () and g.cross_node_problem() is None
+
+
+def test_groups_that_straddle_a_node_boundary_are_named():
+    assert ShardGroups.node_major(16, 16, ranks_per_node=8).cross_node_groups() == (0,)
+    twelve = ShardGroups.node_major(24, 6, ranks_per_node=8)  # 6 does not divide 8: groups 1 and 2 straddle
+    assert twelve.cross_node_groups() == (1, 2)
+    assert twelve.nodes_of(1) == (0, 1) and twelve.nodes_of(2) == (1, 2)
+    # The nodes ranks really run on, not the node size, decide: here rank 1 runs on node 1.
+    assert ShardGroups(2, (0, 1, 1, 1)).cross_node_groups() == (0,)
+
+
+def test_a_world_that_is_not_whole_groups_is_refused():
+    assert group_size_problem(6, 4) == "6 ranks are not a whole number of shard groups of 4"
+    with pytest.raises(ShardprepError, match="6 ranks are not a whole number of shard groups of 4"):
+        ShardGroups.node_major(6, 4, ranks_per_node=8)
+
+
+@pytest.mark.parametrize("world,per_node,expected", [(16, 8, 8), (8, 8, 8), (12, 8, 4), (6, 8, 6), (32, 4, 4),
+                                                     (7, 8, 7), (14, 4, 2)])
+def test_the_largest_node_local_group_divides_the_world_and_fits_a_node(world, per_node, expected):
+    n = largest_node_local_group(world, per_node)
+    assert n == expected
+    assert not ShardGroups.node_major(world, n, per_node).cross_node_groups()
+
+
+# -- the process groups, on 4 gloo ranks on 2 nodes ---------------------------------------------------
+@pytest.fixture(scope="module")
+def world(checkpoint_cache, tmp_path_factory):
+    """(source, converted dir, per-rank results): each rank's directory holds only its rank file."""
+    src = checkpoint_cache("llama", layers=4)
+    root = tmp_path_factory.mktemp("shard-groups")
+    convert(src, root / "out", N, preset="llama")
+    dirs = [str(own_rank_file_only(root / "out", rank % N, root / f"rank{rank}")) for rank in range(W)]
+    return src, root / "out", run_ranks(_suite, W, dirs, str(src), timeout=180)
+
+
+def own_rank_file_only(out: Path, rank_file: int, dest: Path) -> Path:
+    """A copy of OUT (hard links) holding only rank file `rank_file` of its shards."""
+    from shardprep.manifests import load_manifest
+
+    mine = load_manifest(out).rank_files[rank_file]
+    for path in sorted(out.rglob("*")):
+        rel = path.relative_to(out).as_posix()
+        if path.is_dir() or (rel.startswith("shards/") and rel != mine):
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:
+            shutil.copy2(path, target)
+    return dest
+
+
+def _suite(rank: int, world_size: int, dirs: list[str], src_dir: str) -> dict:
+    import torch.distributed as dist
+    from checkpoints import read_state_dict
+    from test_gatherer import _mismatches
+
+    from shardprep.loader import open_rank
+    from shardprep.runtime import LayerGatherer
+    from shardprep.runtime.shard_groups import shard_group
+
+    os.environ["GROUP_RANK"] = str(rank // 2)  # as torchrun sets it: two nodes of two ranks
+    src = read_state_dict(src_dir)
+    result: dict = {"wrong_size": _error(lambda: shard_group(3))}
+    # Refused on every rank, before any group is made: one group of 4 would span both nodes.
+    result["cross_node"] = _error(lambda: shard_group(4))
+    group = shard_group(N)
+    result["same_group_again"] = shard_group(N) is group
+    result.update(index=group.index, ranks=list(group.ranks), rank_file=group.rank_file, node=group.node,
+                  process_group_ranks=dist.get_process_group_ranks(group.process_group))
+    wide = shard_group(4, allow_cross_node_groups=True)
+    result["wide_is_the_world"] = wide.process_group is dist.group.WORLD
+
+    shards = open_rank(dirs[rank], group.rank_file, N, verify=True)
+
+    def forward(g):
+        g.begin()
+        bad = []
+        for layer in g.layers:
+            bad += _mismatches(g.wait(layer), shards.manifest.layer(layer), src)
+            g.done(layer)
+        return bad
+
+    g = LayerGatherer(shards, group=group.process_group, debug_alignment=True, timeout=timedelta(seconds=60))
+    # The groups run different numbers of forwards (group 1 three, group 0 one), and within group 1
+    # rank 3 idles while rank 2 computes: each group's gathers and step checks involve its ranks only.
+    result["exact"] = forward(g)
+    if group.index == 1:
+        result["exact"] += forward(g)
+        if rank == 3:
+            g.idle_step()
+        else:
+            result["exact"] += forward(g)
+        result["exact"] += forward(g)
+    result["gathers"] = g.gathers_issued
+    # The step check compares the group's ranks only, and names their global ranks: rank 3 claims
+    # another step than rank 2; group 0 agrees with itself.
+    result["step_check"] = _error(lambda: g.begin(step=7 + (rank == 3)))
+    result["default_group_refused"] = _error(lambda: LayerGatherer(shards))
+    dist.barrier()
+    return result
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except ShardprepError as exc:
+        return str(exc)
+    return None
+
+
+def test_each_rank_gets_its_group_its_rank_file_and_its_node(world):
+    for rank, r in enumerate(world[2]):
+        assert (r["index"], r["ranks"], r["rank_file"], r["node"]) == (rank // N, [rank // N * N, rank // N * N + 1],
+                                                                        rank % N, rank // 2)
+        assert r["process_group_ranks"] == r["ranks"]  # read back from the process group itself
+        assert r["same_group_again"]  # built once: every place that asks gets the same group
+
+
+def test_a_world_that_is_not_whole_groups_is_refused_on_every_rank(world):
+    for r in world[2]:
+        assert r["wrong_size"] is not None and "4 ranks are not a whole number of shard groups of 3" in r["wrong_size"]
+
+
+def test_a_group_spanning_nodes_is_refused_on_every_rank_unless_allowed(world):
+    for r in world[2]:
+        msg = r["cross_node"]
+        assert msg is not None and msg.startswith("shard group 0 (ranks 0..3) spans nodes 0 and 1 of the 2 nodes")
+        assert "--allow-cross-node-groups" in msg and "\n" not in msg
+        assert r["wide_is_the_world"]  # allowed: one group of the whole world gathers over the world itself
+
+
+def test_gathers_and_idle_steps_stay_inside_each_group(world):
+    src, out, results = world
+    from shardprep.manifests import load_manifest
+
+    layers = len(load_manifest(out).layers)
+    for rank, r in enumerate(results):
+        assert r["exact"] == [], f"rank {rank}"
+        assert r["gathers"] == layers * (1 if rank < 2 else 4)
+
+
+def test_the_step_check_compares_only_the_groups_ranks_and_names_global_ranks(world):
+    for rank, r in enumerate(world[2]):
+        if rank < 2:
+            assert r["step_check"] is None
+        else:
+            assert r["step_check"] is not None
+            assert "rank(s) [3] differ from rank(s) [2]" in r["step_check"], r["step_check"]
+
+
+def test_a_gatherer_on_the_world_refuses_shards_of_a_smaller_group_and_says_how(world):
+    for rank, r in enumerate(world[2]):
+        msg = r["default_group_refused"]
+        assert msg is not None and f"rank {rank % N} of {N}" in msg and f"rank {rank} of {W}" in msg
+        assert "shard_group(2)" in msg
+
+
+# -- vLLM's sharded mode: the layout check (the engines run in tests/vllm_engines/) -------------------
+def _layout(**changes):
+    from shardprep.integrations.vllm.compat import ParallelLayout
+
+    base = dict(dp_rank=0, dp_size=4, dp_world_ranks=(0, 1, 2, 3), tp_size=1, pp_size=1, lockstep_dp=True,
+                eager=True, device=torch.device("cpu"), platform="cpu")
+    return ParallelLayout(**{**base, **changes})
+
+
+def test_vllm_sharded_mode_takes_data_parallel_sizes_that_are_multiples_of_n(world):
+    from shardprep.integrations.vllm.sharded_mode import check_layout
+    from shardprep.manifests import load_manifest
+
+    out = world[1]
+    manifest = load_manifest(out)
+    check_layout(_layout(), manifest, out)
+    check_layout(_layout(), manifest, out, group_size=2)
+    with pytest.raises(ShardprepError, match=r"data_parallel_size=3 \(3 ranks are not a whole number of shard "
+                                             r"groups of 2\); launch a multiple of 2 DP ranks"):
+        check_layout(_layout(dp_size=3, dp_world_ranks=(0, 1, 2)), manifest, out)
+    with pytest.raises(ShardprepError, match="shard_group_size 4, but .* was converted for 2 ranks"):
+        check_layout(_layout(), manifest, out, group_size=4)
+
+
+def test_vllm_options_take_a_shard_group_size_and_refuse_a_bad_one():
+    from shardprep.integrations.vllm.options import ShardprepLoadOptions
+
+    options = ShardprepLoadOptions.from_extra_config({"shard_weights": True, "shard_group_size": 8,
+                                                      "allow_cross_node_groups": True})
+    assert (options.shard_group_size, options.allow_cross_node_groups) == (8, True)
+    for bad in (0, True, "8", 2.0):
+        with pytest.raises(ShardprepError, match="'shard_group_size' must be a whole number >= 1"):
+            ShardprepLoadOptions.from_extra_config({"shard_group_size": bad})
