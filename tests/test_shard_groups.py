@@ -224,3 +224,73 @@ def test_vllm_options_take_a_shard_group_size_and_refuse_a_bad_one():
     for bad in (0, True, "8", 2.0):
         with pytest.raises(ShardprepError, match="'shard_group_size' must be a whole number >= 1"):
             ShardprepLoadOptions.from_extra_config({"shard_group_size": bad})
+
+
+# -- plan and inspect: --dp W on nodes of --gpus-per-node G ---------------------------------------------
+def cli(*args, code=0):
+    from typer.testing import CliRunner
+
+    from shardprep.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "250", "TERMINAL_WIDTH": "250"})
+    assert result.exit_code == code, result.output
+    return result
+
+
+def test_plan_at_dp_16_picks_groups_of_8_and_reports_the_saving_at_that_n(checkpoint_cache):
+    import json
+
+    src = checkpoint_cache("llama", layers=8)
+    at_dp = json.loads(cli("plan", src, "--preset", "llama", "--dp", 16, "--json").stdout)
+    at_n = json.loads(cli("plan", src, "--preset", "llama", "--ranks", 8, "--json").stdout)
+    assert at_dp["ranks"] == 8
+    assert at_dp["groups"] | {"description": ""} == {
+        "world_size": 16, "gpus_per_node": 8, "group_size": 8, "groups": 2, "cross_node_groups": [],
+        "largest_node_local_group_size": 8, "description": ""}
+    # Per GPU, DP 16 in groups of 8 saves and buys what N = 8 does.
+    assert at_dp["every_layer"]["memory"] == at_n["every_layer"]["memory"]
+    assert at_dp["capacity"]["kv_tokens"] == at_n["capacity"]["kv_tokens"] > 0
+    assert at_dp["verdict"] == "memory only"
+    assert "shard groups: W = 16 ranks in 2 shard groups of N = 8 consecutive ranks, each inside one node of 8 GPUs" \
+        in cli("plan", src, "--preset", "llama", "--dp", 16).stdout
+
+
+def test_plan_gives_a_crosses_nodes_verdict_when_a_group_would_span_nodes(checkpoint_cache):
+    import json
+
+    src = checkpoint_cache("llama", layers=8)
+    report = json.loads(cli("plan", src, "--preset", "llama", "--ranks", 16, "--json").stdout)
+    assert report["verdict"] == "crosses nodes" and report["groups"]["cross_node_groups"] == [0]
+    assert report["verdict_line"].startswith("crosses nodes: on nodes of 8 GPUs, shard group 0 (ranks 0..15) spans "
+                                             "nodes 0 and 1, so its gathers would cross the network")
+    assert report["verdict_line"].endswith("plan --ranks 8, the largest shard group that fits a node")
+    report = json.loads(cli("plan", src, "--preset", "llama", "--ranks", 4, "--dp", 16, "--gpus-per-node", 2,
+                            "--json").stdout)
+    assert report["verdict"] == "crosses nodes" and report["groups"]["cross_node_groups"] == [0, 1, 2, 3]
+    assert report["verdict_line"].endswith("plan --ranks 2, the largest shard group that fits a node at --dp 16")
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--ranks", 8, "--dp", 12], "--dp 12 with --ranks 8: 12 ranks are not a whole number of shard groups of 8"),
+    ([], "give --ranks N (the shard group size), or --dp W"),
+], ids=["dp-not-whole-groups", "neither-ranks-nor-dp"])
+def test_plan_refuses_group_sizes_the_dp_ranks_cannot_take(checkpoint_cache, args, expected):
+    result = cli("plan", checkpoint_cache("llama", layers=8), "--preset", "llama", *args, code=2)
+    assert result.stderr.startswith("error: ") and expected in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_inspect_reports_the_groups_at_dp_and_a_verdict_when_they_span_nodes(world):
+    import json
+
+    out = world[1]
+    local = json.loads(cli("inspect", out, "--dp", 4, "--gpus-per-node", 2, "--json").stdout)
+    assert (local["groups"]["groups"], local["groups"]["cross_node_groups"], local["verdict_line"]) == (2, [], None)
+    spanning = json.loads(cli("inspect", out, "--dp", 4, "--gpus-per-node", 1, "--json").stdout)
+    assert spanning["groups"]["cross_node_groups"] == [0, 1]
+    assert spanning["verdict_line"].startswith("crosses nodes: on nodes of 1 GPU, shard group 0 (ranks 0..1) spans "
+                                               "nodes 0 and 1 (and 1 more group)")
+    assert spanning["verdict_line"].endswith(f"`shardprep reshard {out} NEW --ranks 1`")
+    assert spanning["verdict_line"] in cli("inspect", out, "--dp", 4, "--gpus-per-node", 1).stdout
+    result = cli("inspect", out, "--dp", 3, code=2)
+    assert "--dp 3: 3 ranks are not a whole number of shard groups of 2" in result.stderr

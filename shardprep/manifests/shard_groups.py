@@ -12,6 +12,7 @@ Pure arithmetic: `plan` and `inspect` use it with a node size (`node_major`), th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ShardprepError
 
@@ -128,3 +129,65 @@ def largest_node_local_group(world_size: int, ranks_per_node: int) -> int:
         if world_size % n == 0 and not ShardGroups.node_major(world_size, n, ranks_per_node).cross_node_groups():
             return n
     return 1
+
+
+@dataclass(frozen=True)
+class GroupFit:
+    """How W data-parallel ranks on nodes of G GPUs take shard groups of N: what `plan` and `inspect` report.
+
+    >>> fit = GroupFit(world_size=16, ranks_per_node=8, group_size=16)
+    >>> fit.count, fit.largest_node_local, fit.cross_node_problem()
+    (1, 8, 'shard group 0 (ranks 0..15) spans nodes 0 and 1')
+    >>> GroupFit(16, 8, 8).describe()
+    'W = 16 ranks in 2 shard groups of N = 8 consecutive ranks, each inside one node of 8 GPUs'
+    """
+
+    world_size: int
+    ranks_per_node: int
+    group_size: int
+
+    @property
+    def groups(self) -> ShardGroups:
+        return ShardGroups.node_major(self.world_size, self.group_size, self.ranks_per_node)
+
+    @property
+    def count(self) -> int:
+        return self.world_size // self.group_size
+
+    @property
+    def largest_node_local(self) -> int:
+        """The largest N that divides W and keeps every group inside one node."""
+        return largest_node_local_group(self.world_size, self.ranks_per_node)
+
+    def cross_node_problem(self) -> str | None:
+        return self.groups.cross_node_problem()
+
+    def describe(self) -> str:
+        """One line: the groups and where they run."""
+        where = (f"each inside one node of {self._gpus}" if self.cross_node_problem() is None else
+                 f"on nodes of {self._gpus}: {self.cross_node_problem()}")
+        groups = f"{self.count} shard group{'s' * (self.count > 1)}"
+        return f"W = {self.world_size} ranks in {groups} of N = {self.group_size} consecutive ranks, {where}"
+
+    def crosses_nodes_line(self) -> str | None:
+        """The start of a verdict when a group spans nodes (callers add their fix), else None.
+
+        >>> GroupFit(16, 8, 16).crosses_nodes_line().split(", so")[0]
+        'crosses nodes: on nodes of 8 GPUs, shard group 0 (ranks 0..15) spans nodes 0 and 1'
+        >>> GroupFit(16, 8, 8).crosses_nodes_line() is None
+        True
+        """
+        problem = self.cross_node_problem()
+        if problem is None:
+            return None
+        return (f"crosses nodes: on nodes of {self._gpus}, {problem}, so its gathers would cross the network "
+                "between nodes, which cannot hide behind compute")
+
+    @property
+    def _gpus(self) -> str:
+        return f"{self.ranks_per_node} GPU{'s' * (self.ranks_per_node != 1)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "gpus_per_node": self.ranks_per_node, "group_size": self.group_size,
+                "groups": self.count, "cross_node_groups": list(self.groups.cross_node_groups()),
+                "largest_node_local_group_size": self.largest_node_local, "description": self.describe()}
