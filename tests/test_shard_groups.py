@@ -9,13 +9,12 @@ scenario; process start is the cost. `shardprep run` across nodes is tested in t
 from __future__ import annotations
 
 import os
-import shutil
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 from spawn_group import run_ranks
+from test_gatherer import local_only_dir
 
 from shardprep.errors import ShardprepError
 from shardprep.manifests.shard_groups import ShardGroups, group_size_problem, largest_node_local_group
@@ -63,26 +62,8 @@ def world(checkpoint_cache, tmp_path_factory):
     src = checkpoint_cache("llama", layers=4)
     root = tmp_path_factory.mktemp("shard-groups")
     convert(src, root / "out", N, preset="llama")
-    dirs = [str(own_rank_file_only(root / "out", rank % N, root / f"rank{rank}")) for rank in range(W)]
+    dirs = [str(local_only_dir(root / "out", rank % N, root / f"rank{rank}")) for rank in range(W)]
     return src, root / "out", run_ranks(_suite, W, dirs, str(src), timeout=180)
-
-
-def own_rank_file_only(out: Path, rank_file: int, dest: Path) -> Path:
-    """A copy of OUT (hard links) holding only rank file `rank_file` of its shards."""
-    from shardprep.manifests import load_manifest
-
-    mine = load_manifest(out).rank_files[rank_file]
-    for path in sorted(out.rglob("*")):
-        rel = path.relative_to(out).as_posix()
-        if path.is_dir() or (rel.startswith("shards/") and rel != mine):
-            continue
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, target)
-        except OSError:
-            shutil.copy2(path, target)
-    return dest
 
 
 def _suite(rank: int, world_size: int, dirs: list[str], src_dir: str) -> dict:

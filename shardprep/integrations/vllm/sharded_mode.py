@@ -3,9 +3,9 @@
 vLLM's data-parallel size is k·N (N = the manifest's world size): the DP ranks form k shard groups
 of N consecutive DP ranks (`runtime/shard_groups.py`). DP rank r maps only `rank_files[r mod N]`,
 binds the model's target parameters to a `LayerGatherer` over its group (gloo on the CPU), and loads
-only the non-targets into the model. Before each bound decoder
-layer runs, its weights are gathered into one of two slots, one layer ahead; vLLM's idle DP ranks run
-dummy forwards of MoE models, so every rank issues the same gathers. Nothing here imports vLLM:
+only the non-targets into the model. Before each bound decoder layer runs, its weights are gathered
+into one of two slots, one layer ahead; vLLM's idle DP ranks run dummy forwards of MoE models (all DP
+ranks step together), so every rank of a group issues the same gathers. Nothing here imports vLLM:
 what depends on it comes in through `ParallelLayout` and the `keep_plain_linear` callback.
 """
 
