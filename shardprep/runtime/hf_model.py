@@ -58,16 +58,17 @@ def build_model(
     """
     directory = Path(directory)
     config_dict = _read_config(directory)
+    manifest = load_manifest(directory) if shards is None else shards.manifest
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and group is None:
+        from .shard_groups import shard_group
+
+        group = shard_group(manifest.world_size).process_group
     if shards is None:
         from ..loader.rank_shards import open_rank
 
-        manifest = load_manifest(directory)
         world_size = None
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            if group is None:
-                from .shard_groups import shard_group
-
-                group = shard_group(manifest.world_size).process_group
+        if distributed:
             world_size = torch.distributed.get_world_size(group)
             rank = torch.distributed.get_rank(group) if rank is None else rank
         shards = open_rank(directory, rank or 0, world_size=world_size, device=device, manifest=manifest)
