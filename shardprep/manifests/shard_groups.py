@@ -16,6 +16,9 @@ from typing import Any
 
 from ..errors import ShardprepError
 
+DEFAULT_GPUS_PER_NODE = 8
+"""Ranks per node `plan` and `inspect` assume (an HGX node)."""
+
 
 @dataclass(frozen=True)
 class ShardGroups:

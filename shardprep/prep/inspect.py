@@ -13,13 +13,12 @@ from ..manifests.layout import alignment_padding_bytes, used_bytes
 from ..manifests.manifest import Manifest, load_manifest
 from ..manifests.paths import resolve_inside
 from ..manifests.replicated import MAX_INDEX_BYTES
-from ..manifests.shard_groups import GroupFit, group_size_problem
+from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem
 from ..manifests.strict_json import is_int, read_json_file
 from .source import read_config
 
 DEFAULT_HBM_BYTES = 141 * 10**9  # one H200
 DEFAULT_CONTEXT_LEN = 8192
-DEFAULT_GPUS_PER_NODE = 8
 
 SCHEMA = "shardprep/inspect/1"
 

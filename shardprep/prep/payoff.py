@@ -36,7 +36,7 @@ from ..manifests.kv_cache import KvCacheShape, kv_cache_shape
 from ..manifests.layout import align_up
 from ..manifests.manifest import MANIFEST_NAME, load_manifest
 from ..manifests.profile_format import Profile, load_profile
-from ..manifests.shard_groups import GroupFit, group_size_problem, largest_node_local_group
+from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem, largest_node_local_group
 from ..manifests.step_time import StepPrediction, predict_step
 from .layer_choice import LayerChoice, Predict, choose_layers, evaluate, least_overhead
 from .selection import DEFAULT_LAYER_PATTERN, Selection, format_layers, load_preset, parse_layers
@@ -79,7 +79,7 @@ class PlanRequest:
     num_slots: int = 2
     chunk_alignment: int | None = None
     dp: int | None = None
-    gpus_per_node: int = 8
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
 
 
 @dataclass(frozen=True)
