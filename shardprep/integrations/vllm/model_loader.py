@@ -57,6 +57,7 @@ class ShardprepModelLoader(BaseModelLoader):
             load_full(model, directory, self.options.verify)
             return
         self.binding = load_sharded(model, directory, layout, compat.keep_plain_linear, self.options.verify,
+                                    self.options.shard_group_size, self.options.allow_cross_node_groups,
                                     refuse_post_processed=compat.refuse_post_processed)
         self._bound_before_processing = compat.bound_places(model, self.binding.target_parameters)
         bound = {id(param) for param in self.binding.target_parameters.values()}
