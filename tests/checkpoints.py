@@ -12,7 +12,11 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "bert")
+ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj", "bert")
+
+# The MLA dimensions of DeepSeek-V3 and Kimi-K2 that vLLM's CPU MLA kernel accepts (its latent head is
+# kv_lora_rank + qk_rope_head_dim = 576 wide, nothing else); q_lora_rank is the real models' 1536 shrunk.
+MLA_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
 
 LLAMA_ALL_LINEAR = {
     "name": "llama-all-linear",
@@ -29,6 +33,9 @@ def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 12
     """A small transformers config of the given architecture (odd sizes on purpose: rows not divisible by N).
 
     `head_dim` (llama, qwen3-moe) overrides the attention head size: vLLM's CPU attention needs >= 32.
+    The `*-mla` variants have the real MLA dimensions (MLA_DIMS), which vLLM's CPU MLA needs: DeepSeek-V3
+    (q_lora_rank 128, grouped routing, one dense layer), Kimi-K2 (half the heads, twice the experts, one
+    expert group, two dense layers), and DeepSeek-V3 without q_lora_rank (`q_proj`, as DeepSeek-V2-Lite).
     """
     import transformers as tf
 
@@ -50,6 +57,24 @@ def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 12
                                    n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
                                    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1,
                                    topk_group=1, max_position_embeddings=256, tie_word_embeddings=False)
+    if arch in ("deepseek-v3-mla", "deepseek-v3-mla-q-proj"):
+        # topk_method / scoring_func: vLLM builds the router's e_score_correction_bias (which transformers'
+        # DeepSeek-V3 always has) only for noaux_tc, and scores with softmax unless told sigmoid.
+        return tf.DeepseekV3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   moe_intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                   n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                   q_lora_rank=128 if arch == "deepseek-v3-mla" else None, **MLA_DIMS,
+                                   max_position_embeddings=256, tie_word_embeddings=False,
+                                   topk_method="noaux_tc", scoring_func="sigmoid")
+    if arch == "kimi-k2-mla":
+        return tf.DeepseekV3Config(vocab_size=vocab, hidden_size=hidden + 32, intermediate_size=2 * hidden,
+                                   moe_intermediate_size=48, num_hidden_layers=layers, num_attention_heads=2,
+                                   num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2,
+                                   n_shared_experts=1, first_k_dense_replace=2, n_group=1, topk_group=1,
+                                   q_lora_rank=96, **MLA_DIMS, routed_scaling_factor=2.827,
+                                   max_position_embeddings=256, tie_word_embeddings=False,
+                                   topk_method="noaux_tc", scoring_func="sigmoid")
     if arch == "bert":
         return tf.BertConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 8,
                              num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=128)

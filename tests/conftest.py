@@ -28,6 +28,20 @@ def checkpoint_cache(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def world_of_one():
+    """A torch.distributed gloo group of this process alone (for code that builds its own subgroup)."""
+    import gc
+
+    import torch.distributed as dist
+    from spawn_group import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    gc.collect()  # the gatherer holds the group: free it before the group goes
+    dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

@@ -1,21 +1,26 @@
-"""`shardprep run` end to end: N gloo ranks on the CPU give exactly what transformers gives on the source.
+"""`shardprep run` end to end: gloo ranks on the CPU give exactly what transformers gives on the source.
 
-Each run starts N processes that import torch and transformers, so there are few cases: llama with
+Each run starts processes that import torch and transformers, so there are few cases: llama with
 more prompts than ranks (rank 1 idles), Qwen3-MoE from a sharded checkpoint on 4 ranks (ranks 1-3
-only idle), and BERT with every layer sharded.
+only idle), BERT with every layer sharded, the MLA + MoE family with the `deepseek-v3` preset
+(DeepSeek-V3, a Kimi-K2-shaped config whose first sharded layer is dense, and DeepSeek-V3 without
+q_lora_rank), where q_a_proj and kv_a_proj_with_mqa bind one by one from their fused view; and shard
+groups: 4 ranks in 2 groups of 2, on one node and as two nodes on localhost (two launches, by
+`shardprep run` or by torchrun, each with its own copy of OUT).
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from spawn_group import free_port
 from typer.testing import CliRunner
 
 from shardprep.cli import app
-from shardprep.loader import open_rank
 from shardprep.manifests import account, load_manifest
 from shardprep.prep.convert import convert
 
@@ -52,13 +57,22 @@ def transformers_outputs(src, prompts, causal, max_new_tokens=K, device="cpu"):
     return results
 
 
-def check_memory(summary, out):
-    """Per rank: R/N (+ 4 KiB alignment per layer) + 2·max|T| + the non-target bytes, and nothing else."""
+def replicated_parameter_bytes(src, out, causal):
+    """Bytes of the parameters transformers builds for the source's non-targets (its router may upcast to float32)."""
+    import transformers
+
+    targets = {e.name for record in load_manifest(out).layers for e in record.entries}
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    model = auto.from_pretrained(src)
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name not in targets)
+
+
+def check_memory(summary, out, replicated_params):
+    """Per rank: R/N (+ 4 KiB alignment per layer) + 2·max|T| + the non-target parameters, and nothing else."""
     manifest = load_manifest(out)
-    replicated = open_rank(out, 0).load_replicated()
-    acc = account(manifest, non_target_bytes=sum(t.nbytes for t in replicated.values()))
+    acc = account(manifest, non_target_bytes=replicated_params)
     for m in summary["ranks"]:
-        assert m["parameter_bytes"] == acc.non_target_bytes  # the targets live in the slots
+        assert m["parameter_bytes"] == replicated_params  # the targets live in the slots
         assert acc.local_chunk_bytes <= m["shard_bytes"] <= acc.local_chunk_bytes + 4096 * len(manifest.layers)
         assert m["slot_bytes"] == 2 * manifest.max_total_bytes
         total = m["parameter_bytes"] + m["shard_bytes"] + m["slot_bytes"]
@@ -74,12 +88,16 @@ def check_memory(summary, out):
         ("bert", False, 2, {"targets": ["*.attention.self.*.weight", "*.intermediate.dense.weight"],
                             "layers": "all"}, ["hello fast world", "the layer"]),
         ("llama", False, 2, {"preset": "llama", "layers": "0,2-:2"}, ["shard every other layer"]),
+        ("deepseek-v3-mla", False, 2, {"preset": "deepseek-v3"}, ["hello world", "the model shard"]),
+        ("kimi-k2-mla", True, 2, {"preset": "deepseek-v3"}, ["hello world", "the model shard", "gpu"]),
+        ("deepseek-v3-mla-q-proj", False, 2, {"preset": "deepseek-v3"}, ["hello world", "the model shard"]),
     ],
-    ids=["llama-n2-idle-rank", "qwen3-moe-sharded-n4", "bert-all-layers-n2", "llama-even-layers-n2"],
+    ids=["llama-n2-idle-rank", "qwen3-moe-sharded-n4", "bert-all-layers-n2", "llama-even-layers-n2",
+         "deepseek-v3-n2", "kimi-k2-sharded-n2", "deepseek-v3-q-proj-n2"],
 )
 def test_run_matches_transformers_bit_for_bit(checkpoint_cache, tmp_path, arch, sharded, nproc, convert_kw,
                                               prompts):
-    src = checkpoint_cache(arch, sharded=sharded)
+    src = checkpoint_cache(arch, sharded=sharded, layers=4 if arch.endswith(("-mla", "-q-proj")) else 3)
     out = tmp_path / "out"
     convert(src, out, nproc, **convert_kw)
     saved = tmp_path / "outputs.pt"
@@ -96,7 +114,7 @@ def test_run_matches_transformers_bit_for_bit(checkpoint_cache, tmp_path, arch, 
         if causal:
             assert r["token_ids"] == tokens and len(tokens) == K
         assert output.dtype == reference.dtype and torch.equal(output, reference), r["prompt"]
-    check_memory(summary, out)
+    check_memory(summary, out, replicated_parameter_bytes(src, out, causal))
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +144,120 @@ def test_run_refuses_a_directory_without_tokenizer(checkpoint_cache, tmp_path):
     out = tmp_path / "out"
     convert(checkpoint_cache("llama", tokenizer=False), out, 2, preset="llama")
     assert "no tokenizer" in run_cli_error(out)
+
+
+# -- shard groups: W = 4 ranks in 2 groups of N = 2 ------------------------------------------------------
+# Prompt i runs on rank i mod 4: group 0 serves prompts 0, 1, 4 (rank 1 idles for one prompt), group 1
+# prompts 2 and 3, so the groups make different numbers of forwards.
+GROUP_PROMPTS = ["hello world", "the model", "shard the weights", "gpu rank", "a b c d"]
+
+
+@pytest.fixture(scope="module")
+def groups_case(checkpoint_cache, tmp_path_factory):
+    """(source, OUT converted for 2 ranks, transformers' tokens and logits per prompt)."""
+    src = checkpoint_cache("llama")
+    out = tmp_path_factory.mktemp("groups") / "out"
+    convert(src, out, 2, preset="llama")
+    return src, out, transformers_outputs(src, GROUP_PROMPTS, causal=True)
+
+
+def check_groups_run(summary, saved, out, want, nodes):
+    """Bit-identical to transformers for every prompt; every rank in its group, gathering inside it."""
+    assert (summary["world_size"], summary["group_size"]) == (4, 2)
+    assert [r["rank"] for r in summary["prompts"]] == [i % 4 for i in range(len(GROUP_PROMPTS))]
+    for r, output, (tokens, reference) in zip(summary["prompts"], torch.load(saved), want):
+        assert r["token_ids"] == tokens and len(tokens) == K
+        assert output.dtype == reference.dtype and torch.equal(output, reference), r["prompt"]
+    layers = len(load_manifest(out).layers)
+    per_prompt = K + 1  # generate()'s forwards and the saved logits' one
+    for m in summary["ranks"]:
+        rank = m["rank"]
+        group = [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert (m["group"], m["group_ranks"], m["rank_file"], m["node"]) == (rank // 2, group, rank % 2, nodes[rank])
+        assert m["gather_group_ranks"] == group  # the gatherer's own process group
+        busiest = 2 if rank < 2 else 1  # prompts of the busiest rank of its group
+        assert m["forwards"] + m["idle_steps"] == per_prompt * busiest
+        assert m["gathers"] == layers * per_prompt * busiest
+    check_memory(summary, out)
+
+
+def test_four_ranks_in_two_shard_groups_on_one_node_match_transformers(groups_case, tmp_path):
+    src, out, want = groups_case
+    saved = tmp_path / "outputs.pt"
+    summary = shardprep_run(out, 4, "--shard-group-size", 2, "--max-new-tokens", K, "--save-outputs", saved,
+                            *[a for p in GROUP_PROMPTS for a in ("--prompt", p)])
+    check_groups_run(summary, saved, out, want, nodes=[0, 0, 0, 0])
+
+
+def node_command(launcher, out, node_rank, port, saved):
+    prompts = [a for p in GROUP_PROMPTS for a in ("--prompt", p)]
+    worker = [str(out), "--json", "--device", "cpu", "--max-new-tokens", str(K), "--save-outputs", str(saved),
+              *prompts]
+    if launcher == "shardprep":
+        return [sys.executable, "-m", "shardprep", "run", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank",
+                str(node_rank), "--rdzv-endpoint", f"127.0.0.1:{port}", *worker]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
+            "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "shardprep.run",
+            *worker]
+
+
+@pytest.mark.parametrize("launcher", ["shardprep", "torchrun"])
+def test_two_nodes_of_two_ranks_each_with_its_own_copy_match_transformers(groups_case, tmp_path, launcher):
+    src, out, want = groups_case
+    saved = tmp_path / "outputs.pt"  # written by rank 0, on node 0
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    procs = []
+    for node in range(2):
+        copy = shutil.copytree(out, tmp_path / f"node{node}" / "out")  # what each node holds: its own OUT
+        procs.append(subprocess.Popen(node_command(launcher, copy, node, port, saved), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=300))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    assert not outputs[1][0].strip()  # rank 0, on node 0, reports for everyone
+    summary = json.loads(outputs[0][0].strip().splitlines()[-1])
+    check_groups_run(summary, saved, tmp_path / "node0" / "out", want, nodes=[0, 0, 1, 1])
+
+
+def test_run_refuses_a_shard_group_that_would_span_nodes(llama_n2):
+    line = run_cli_error(llama_n2, "--nproc-per-node", 1, "--nnodes", 2, "--node-rank", 0,
+                         "--rdzv-endpoint", "127.0.0.1:1")
+    assert "shard group 0 (ranks 0..1) spans nodes 0 and 1 of the 2 nodes" in line
+    assert "--allow-cross-node-groups" in line
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--shard-group-size", 4], "--shard-group-size 4, but "),
+    (["--nproc", 4, "--shard-group-size", 3], "--shard-group-size 3, but "),
+    (["--nproc-per-node", 1, "--nnodes", 3, "--rdzv-endpoint", "127.0.0.1:1"],
+     "converted for 2 ranks but this run has 3 (3 ranks are not a whole number of shard groups of 2)"),
+    (["--nnodes", 2], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", 2, "--node-rank", 2, "--rdzv-endpoint", "127.0.0.1:1"], "--node-rank 2 with --nnodes 2"),
+    (["--nnodes", 2, "--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0': expected HOST:PORT"),
+], ids=["group-size-not-the-manifests", "group-size-with-more-ranks", "world-not-whole-groups",
+        "nodes-without-endpoint", "node-rank-out-of-range", "endpoint-without-port"])
+def test_run_refuses_launches_that_cannot_form_shard_groups(llama_n2, args, expected):
+    assert expected in run_cli_error(llama_n2, *args)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--nnodes", 3], "--nnodes 3 inside a torchrun job where it is 2; drop --nnodes"),
+    (["--nproc-per-node", 4], "--nproc 4 inside a torchrun job of 2 processes per node; drop --nproc"),
+    (["--rdzv-endpoint", "127.0.0.1:1"], "--rdzv-endpoint inside a torchrun job"),
+], ids=["nnodes", "nproc", "endpoint"])
+def test_a_torchrun_worker_refuses_launch_options_that_contradict_torchrun(llama_n2, args, expected):
+    torchrun = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                "GROUP_WORLD_SIZE": "2"}
+    result = CliRunner().invoke(app, ["run", str(llama_n2), *map(str, args)], env=torchrun)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert expected in result.stderr

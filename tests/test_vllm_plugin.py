@@ -5,7 +5,6 @@ The engines themselves run in tests/vllm_engines/ (inside a virtual environment 
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
@@ -13,9 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from checkpoints import read_state_dict
-from spawn_group import free_port
 from torch import nn
 
 from shardprep.errors import ManifestError, RuntimeShardError, ShardprepError
@@ -106,14 +103,6 @@ def test_sharded_mode_refuses_layouts_it_cannot_serve(llama_out):
         check_layout(layout(tp_size=2), manifest, out)
     with pytest.raises(ShardprepError, match="needs a MoE model"):
         check_layout(layout(lockstep_dp=False), manifest, out)
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    gc.collect()  # the gatherer holds the group: free it before the group goes
-    dist.destroy_process_group()
 
 
 def test_sharded_mode_refuses_a_model_whose_layers_it_cannot_find(checkpoint_cache, tmp_path, world_of_one):

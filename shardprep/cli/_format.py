@@ -19,6 +19,11 @@ KvDtype = Annotated[str, typer.Option(
 ContextLen = Annotated[int, typer.Option(
     min=1, metavar="TOKENS", help="Context length of one request, for the extra requests the saving allows.")]
 HbmGb = Annotated[float, typer.Option(metavar="GB", help="HBM per GPU in GB (10^9 bytes); 141 = H200.")]
+Dp = Annotated[int | None, typer.Option(
+    "--dp", min=1, metavar="W", help="Data-parallel ranks W, in shard groups of N consecutive ranks (default: one "
+    "group, W = N).")]
+GpusPerNode = Annotated[int, typer.Option(
+    "--gpus-per-node", min=1, metavar="G", help="GPUs (ranks) per node: a shard group should stay inside one.")]
 ChunkAlignment = Annotated[str, typer.Option(
     metavar="auto|none|SIZE", help="C is a multiple of this and chunks start on it (SIZE like 2MiB, for the "
     "zero-copy runtime); auto: 2MiB when its padding costs <= 1% of Σ|T| per rank, else none (16 bytes).")]

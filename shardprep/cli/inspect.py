@@ -8,7 +8,16 @@ from typing import Annotated
 import typer
 
 from ._errors import cli_errors
-from ._format import ContextLen, HbmGb, KvDtype, NumSlots, capacity_rows, human_bytes, print_json
+from ._format import ContextLen, Dp, GpusPerNode, HbmGb, KvDtype, NumSlots, capacity_rows, human_bytes, print_json
+
+
+def _checked_with_line(info: dict) -> str:
+    preset = (info["selection"] or {}).get("preset")
+    if info["checked_with"] is None:
+        what = f"preset {preset!r} as recorded" if preset else "no preset"
+        return f"checked with: unknown, the targets are not exactly a shipped preset's ({what}; `shardprep presets`)"
+    listed = ", ".join(f"{c['server']} ({c['mode']})" for c in info["checked_with"])
+    return f"checked with (preset {preset}): {listed or 'nothing'}"
 
 
 def inspect_command(
@@ -17,6 +26,8 @@ def inspect_command(
     kv_dtype: KvDtype = "auto",
     context_len: ContextLen = 8192,
     hbm_gb: HbmGb = 141.0,
+    dp: Dp = None,
+    gpus_per_node: GpusPerNode = 8,
     json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (schema shardprep/inspect/1).")]
     = False,
 ) -> None:
@@ -25,7 +36,7 @@ def inspect_command(
 
     with cli_errors():
         info = inspect(out, num_slots=num_slots, kv_dtype=kv_dtype, context_len=context_len,
-                       hbm_bytes=int(hbm_gb * 10**9))
+                       hbm_bytes=int(hbm_gb * 10**9), dp=dp, gpus_per_node=gpus_per_node)
     if json_out:
         print_json(info)
         return
@@ -53,5 +64,11 @@ def inspect_command(
                   "alignment padding per rank")
     if info["totals"]["shortfall_reason"]:
         console.print(f"no memory saved: {info['totals']['shortfall_reason']}")
+    console.print(_checked_with_line(info))
     if info["quantization"]:
         console.print(f"quantization: {info['quantization']}")
+    groups = info["groups"]
+    if dp is not None or groups["cross_node_groups"]:
+        console.print(f"shard groups: {groups['description']}")
+    if info["verdict_line"]:
+        console.print(info["verdict_line"], soft_wrap=True)

@@ -10,6 +10,8 @@ import typer
 from ._errors import cli_errors
 from ._format import (
     ContextLen,
+    Dp,
+    GpusPerNode,
     HbmGb,
     KvDtype,
     NumSlots,
@@ -28,7 +30,9 @@ if TYPE_CHECKING:
 def plan_command(
     source: Annotated[str, typer.Argument(
         metavar="SRC_OR_OUT", help="A HF checkpoint (local or hub id) or an output directory of `shardprep convert`.")],
-    ranks: Annotated[int, typer.Option("--ranks", "-n", metavar="N", help="Ranks N to shard across.")],
+    ranks: Annotated[int | None, typer.Option("--ranks", "-n", metavar="N", help="Ranks N to shard across: the "
+                                                "shard group size (default with --dp: the largest that fits a node).")]
+    = None,
     preset: Annotated[str | None, typer.Option(
         metavar="NAME|FILE", help="Built-in preset or preset JSON file (SRC only).")] = None,
     target: Annotated[list[str] | None, typer.Option(
@@ -57,6 +61,8 @@ def plan_command(
     context_len: ContextLen = 8192,
     kv_dtype: KvDtype = "auto",
     num_slots: NumSlots = 2,
+    dp: Dp = None,
+    gpus_per_node: GpusPerNode = 8,
     chunk_alignment: Annotated[str | None, typer.Option(
         metavar="auto|none|SIZE", help="Chunk alignment convert will use, e.g. 2MiB (SRC: default auto, as "
                                        "convert; OUT has its own).")] = None,
@@ -78,6 +84,7 @@ def plan_command(
             budget_bytes=None if budget_gb is None else int(budget_gb * 10**9), kv_dtype=kv_dtype,
             num_slots=num_slots,
             chunk_alignment=parse_chunk_alignment(chunk_alignment) if chunk_alignment else None,
+            dp=dp, gpus_per_node=gpus_per_node,
         )
         report = plan_sharding(request)
     if json_out:
@@ -97,6 +104,7 @@ def print_plan(report: PlanReport, preset: str | None, targets: tuple[str, ...])
     console.print(f"{report.source} ({report.kind}), N = {report.ranks}, {report.model_layers} layers, "
                   f"{len(report.candidates)} with targets")
     console.print(f"slots: {report.slot_model}")
+    console.print(f"shard groups: {report.groups.describe()}")
     if report.gather_source:
         console.print(f"gathers: {report.gather_source}")
     layers = Table(title="per layer: |T|, its gather alone, its compute (replicated weights), ms")

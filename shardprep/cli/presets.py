@@ -1,4 +1,4 @@
-"""`shardprep presets`: the shipped presets, their descriptions and globs."""
+"""`shardprep presets`: the shipped presets, their descriptions, globs and the servers each was checked with."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ SCHEMA = "shardprep/presets/1"
 def presets_command(
     json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
 ) -> None:
-    """List the built-in presets (for `convert --preset NAME`) with their target globs and fused views."""
+    """List the built-in presets (for `convert --preset NAME`): globs, fused views, servers checked with."""
     from ..prep.selection import builtin_presets, load_preset
 
     with cli_errors():
@@ -23,7 +23,9 @@ def presets_command(
     if json_out:
         print_json({"schema": SCHEMA, "presets": [
             {"name": p.name, "description": p.description, "targets": list(p.targets),
-             "fused": [{"name": f.name, "members": list(f.members)} for f in p.fused]} for p in presets]})
+             "fused": [{"name": f.name, "members": list(f.members)} for f in p.fused],
+             "checked_with": [{"server": c.server, "mode": c.mode, "test": c.test} for c in p.checked_with]}
+            for p in presets]})
         return
     for p in presets:
         typer.echo(f"{p.name}: {p.description}")
@@ -31,3 +33,4 @@ def presets_command(
             typer.echo(f"    {glob}")
         for f in p.fused:
             typer.echo(f"    fused {f.name} = {' + '.join(f.members)}")
+        typer.echo(f"    checked with: {', '.join(map(str, p.checked_with)) or 'nothing'}")

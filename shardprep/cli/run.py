@@ -1,4 +1,5 @@
-"""`shardprep run DIR [--nproc N]` (also what `torchrun -m shardprep.run DIR` parses)."""
+"""`shardprep run DIR [--nproc-per-node P] [--nnodes M --node-rank k --rdzv-endpoint HOST:PORT]` (also what
+`torchrun -m shardprep.run DIR` parses)."""
 
 from __future__ import annotations
 
@@ -38,11 +39,27 @@ class Backend(str, Enum):
 
 def run_command(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="Output directory of `shardprep convert`.")],
-    nproc: Annotated[int | None, typer.Option("--nproc", "--nproc-per-node", metavar="N",
-                                              help="Local ranks to start (default: the manifest's world size). "
+    nproc: Annotated[int | None, typer.Option("--nproc", "--nproc-per-node", metavar="P",
+                                              help="Ranks to start on this node (default: the manifest's N). "
                                                    "Leave out under torchrun.")] = None,
+    nnodes: Annotated[int | None, typer.Option("--nnodes", metavar="M", min=1,
+                                               help="Nodes of the run, each started with this command and its "
+                                                    "--node-rank (default 1).")] = None,
+    node_rank: Annotated[int | None, typer.Option("--node-rank", metavar="K", min=0,
+                                                  help="This node's rank, 0..M-1: it holds ranks K·P..K·P+P-1.")]
+    = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", metavar="HOST:PORT",
+                                                      help="Where the nodes meet: an address of node 0, the same "
+                                                           "on every node (needed with --nnodes > 1).")] = None,
+    shard_group_size: Annotated[int | None, typer.Option(
+        "--shard-group-size", metavar="N", min=1, help="Ranks per shard group: the ranks that gather together "
+                                                       "(default and only value: the manifest's N).")] = None,
+    allow_cross_node_groups: Annotated[bool, typer.Option(
+        "--allow-cross-node-groups", help="Accept a shard group whose ranks run on several nodes (its gathers "
+                                          "cross the network).")] = False,
     prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", metavar="TEXT",
-                                                     help="Prompt; repeatable. Prompt i runs on rank i mod N.")]
+                                                     help="Prompt; repeatable. Prompt i runs on rank i mod W "
+                                                          "(W = M·P ranks).")]
     = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-k", min=1,
                                                 help="Tokens to generate greedily (causal LMs).")] = 16,
@@ -56,13 +73,13 @@ def run_command(
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Let transformers run model code "
                                                                                 "shipped in DIR.")] = False,
 ) -> None:
-    """Run prompts on N local ranks from a pre-sharded directory; rank 0 prints the generated text."""
+    """Run prompts on ranks in shard groups of N from a pre-sharded directory; rank 0 prints the generated text."""
     from ..runtime.runner import DEFAULT_PROMPT, RunOptions, is_torchrun_worker, run
 
     options = RunOptions(directory, tuple(prompt or (DEFAULT_PROMPT,)), max_new_tokens, device.value, backend.value,
-                         save_outputs, json_out, trust_remote_code)
+                         save_outputs, json_out, trust_remote_code, shard_group_size, allow_cross_node_groups)
     with cli_errors():
-        report = run(options, nproc)
+        report = run(options, nproc, nnodes, node_rank, rdzv_endpoint)
     if report is not None:
         print_report(report, json_out)
     if is_torchrun_worker():
@@ -85,8 +102,10 @@ def print_report(report: RunReport, as_json: bool) -> None:
         else:
             print(f"{r.prompt} → output {r.output_shape}", flush=True)
     r0 = report.ranks[0]
-    print(f"[{len(report.ranks)} ranks on {r0.device.split(':')[0]}, gather backend {r0.backend}; rank 0 holds "
-          f"{human_bytes(r0.shard_bytes)} of shards, {human_bytes(r0.slot_bytes)} of gather slots and "
+    groups = len(report.ranks) // report.group_size if report.group_size else 1
+    in_groups = f" in {groups} shard groups of {report.group_size}" if groups > 1 else ""
+    print(f"[{len(report.ranks)} ranks on {r0.device.split(':')[0]}{in_groups}, gather backend {r0.backend}; "
+          f"rank 0 holds {human_bytes(r0.shard_bytes)} of shards, {human_bytes(r0.slot_bytes)} of gather slots and "
           f"{human_bytes(r0.parameter_bytes)} of replicated parameters]", flush=True)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import IntegrityError, ManifestError
+from ..errors import IntegrityError, ManifestError, ShardprepError
 from ..manifests.accounting import account, zero_copy_applies
 from ..manifests.capacity import capacity
 from ..manifests.kv_cache import kv_cache_shape
@@ -13,7 +13,9 @@ from ..manifests.layout import alignment_padding_bytes, used_bytes
 from ..manifests.manifest import Manifest, load_manifest
 from ..manifests.paths import resolve_inside
 from ..manifests.replicated import MAX_INDEX_BYTES
+from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem
 from ..manifests.strict_json import is_int, read_json_file
+from .selection import recorded_preset_checks
 from .source import read_config
 
 DEFAULT_HBM_BYTES = 141 * 10**9  # one H200
@@ -23,17 +25,22 @@ SCHEMA = "shardprep/inspect/1"
 
 
 def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto",
-            context_len: int = DEFAULT_CONTEXT_LEN, hbm_bytes: int | None = DEFAULT_HBM_BYTES) -> dict[str, Any]:
+            context_len: int = DEFAULT_CONTEXT_LEN, hbm_bytes: int | None = DEFAULT_HBM_BYTES,
+            dp: int | None = None, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> dict[str, Any]:
     """Per-layer sizes, per-rank memory/communication totals, and what the saving buys, of an output directory.
 
     The slot formula is the one the runtime uses for this directory: the own chunk aliased into its
-    layer view where CUDA can map it (chunks aligned to 2 MiB or more), copied otherwise.
+    layer view where CUDA can map it (chunks aligned to 2 MiB or more), copied otherwise. `dp` data-parallel
+    ranks (default: one group, the manifest's N) on nodes of `gpus_per_node` form shard groups of N: `groups`
+    says how, and `verdict_line` (else None) that a group would span nodes.
 
     >>> info = inspect("out/")  # doctest: +SKIP
     >>> info["totals"]["resident_bytes"]  # doctest: +SKIP
     """
     root = Path(directory)
     m = load_manifest(root)
+    fit = _shard_groups(root, m.world_size, dp, gpus_per_node)
+    crossing = fit.crosses_nodes_line()
     alignment = m.chunk_alignment
     aliased = zero_copy_applies(alignment)
     memory = account(m, non_target_bytes=replicated_bytes(root, m), num_slots=num_slots, aliased_own_chunk=aliased)
@@ -53,6 +60,7 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
         "quantization": m.quantization,
         "source": m.source,
         "selection": m.selection,
+        "checked_with": _checked_with(m.selection),
         "slot_model": ("aliased own chunk: the rank's chunk is mapped into its layer view (CUDA, chunk alignment "
                        f"{alignment} B)" if aliased else
                        f"copy: a slot holds all of T (chunk alignment {alignment} B is below the 2 MiB that mapping "
@@ -71,7 +79,27 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
         "totals": memory.to_dict(),
         "kv_cache": kv.to_dict() if kv else None,
         "capacity": cap.to_dict(),
+        "groups": fit.to_dict(),
+        "verdict_line": None if crossing is None else (
+            f"{crossing}; make a directory for N = {fit.largest_node_local}, the largest shard group that fits a "
+            f"node: `shardprep reshard {root} NEW --ranks {fit.largest_node_local}`"),
     }
+
+
+def _checked_with(selection: dict[str, Any] | None) -> list[dict[str, str]] | None:
+    checks = recorded_preset_checks(selection)
+    return None if checks is None else [{"server": c.server, "mode": c.mode, "test": c.test} for c in checks]
+
+
+def _shard_groups(root: Path, n: int, dp: int | None, gpus_per_node: int) -> GroupFit:
+    if gpus_per_node < 1:
+        raise ShardprepError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    world = n if dp is None else dp
+    problem = group_size_problem(world, n)
+    if problem is not None:
+        raise ShardprepError(f"--dp {world}: {problem}, the N {root} was converted for; use a multiple of {n}, "
+                             f"or make a directory for a group size that divides {world} (`shardprep reshard`)")
+    return GroupFit(world, gpus_per_node, n)
 
 
 def replicated_bytes(directory: str | Path, manifest: Manifest) -> int:

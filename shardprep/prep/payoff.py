@@ -8,7 +8,9 @@ machine (`shardprep profile`) or only a link bandwidth:
 - per layer: |T|, its gather time, and its compute time at each token count;
 - the layers to shard (`layer_choice.choose_layers` over the step-time model) and the
   `convert --layers` argument that shards them;
-- a one-line verdict.
+- the shard groups: with `--dp W` on nodes of `--gpus-per-node G`, W/N groups of N consecutive ranks,
+  N = `--ranks` or, without it, the largest group size that divides W and fits a node;
+- a one-line verdict (`crosses nodes` when a group of N would span nodes).
 
 No torch: the measuring is `shardprep profile`'s job.
 """
@@ -34,6 +36,7 @@ from ..manifests.kv_cache import KvCacheShape, kv_cache_shape
 from ..manifests.layout import align_up
 from ..manifests.manifest import MANIFEST_NAME, load_manifest
 from ..manifests.profile_format import Profile, load_profile
+from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem, largest_node_local_group
 from ..manifests.step_time import StepPrediction, predict_step
 from .layer_choice import LayerChoice, Predict, choose_layers, evaluate, least_overhead
 from .selection import DEFAULT_LAYER_PATTERN, Selection, format_layers, load_preset, parse_layers
@@ -47,15 +50,18 @@ class Verdict(str, Enum):
     PAYS_FROM = "pays only from"
     DOES_NOT_PAY = "does not pay"
     MEMORY_ONLY = "memory only"  # no compute time known: the step cost cannot be predicted
+    CROSSES_NODES = "crosses nodes"  # a shard group would span nodes: its gathers cannot hide behind compute
 
 
 @dataclass(frozen=True)
 class PlanRequest:
     """What `shardprep plan` was asked. `layers` limits the candidate layers (default: every layer with
-    targets; for OUT, its sharded layers). Sizes are bytes; `max_overhead` a fraction (0.05 = 5%)."""
+    targets; for OUT, its sharded layers). Sizes are bytes; `max_overhead` a fraction (0.05 = 5%).
+    `ranks` is the shard group size N (None: the largest that fits a node, with `dp`); `dp` the
+    data-parallel ranks W (None: one group, W = N); `gpus_per_node` the ranks of a node."""
 
     source: str
-    ranks: int
+    ranks: int | None
     targets: tuple[str, ...] = ()
     preset: str | None = None
     layers: str = "all"
@@ -72,6 +78,8 @@ class PlanRequest:
     kv_dtype: str = "auto"
     num_slots: int = 2
     chunk_alignment: int | None = None
+    dp: int | None = None
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,7 @@ class PlanReport:
     capacity: Capacity
     verdict: Verdict
     verdict_line: str
+    groups: GroupFit
     kv: KvCacheShape | None = None
     pays_from_tokens: int | None = None
     convert_layers: str | None = None
@@ -133,6 +142,7 @@ class PlanReport:
             "every_layer": choice(self.every_layer),
             "chosen": choice(self.chosen),
             "capacity": self.capacity.to_dict(),
+            "groups": self.groups.to_dict(),
             "pays_from_tokens": self.pays_from_tokens,
             "convert_layers": self.convert_layers,
             "verdict": self.verdict.value,
@@ -159,16 +169,15 @@ class _Model:
 
 
 def plan_sharding(request: PlanRequest) -> PlanReport:
-    """Assess sharding the model at `request.source` over `request.ranks` ranks; see the module docstring.
+    """Assess sharding the model at `request.source` over shard groups of N ranks; see the module docstring.
 
     >>> report = plan_sharding(PlanRequest("my-llama/", ranks=8, preset="llama",
     ...                                    profile=Path("profile.json")))  # doctest: +SKIP
     >>> report.verdict_line  # doctest: +SKIP
     """
-    if request.ranks < 1:
-        raise ShardprepError(f"--ranks must be >= 1, got {request.ranks}")
-    model = _read_model(request)
-    n = request.ranks
+    fit = _shard_groups(request)
+    n = fit.group_size
+    model = _read_model(request, n)
     alignment = model.chunk_alignment
     aliased = zero_copy_applies(alignment)
     slot_model = (f"aliased own chunk: slots {request.num_slots}·(N−1)/N·max|T| (CUDA, chunks aligned to "
@@ -233,6 +242,11 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     least = least_overhead(candidates, memory, predict) if predict is not None else None
     verdict, line = _verdict(request, every, chosen, pays_from, from_choice, least, kv, gather_ms, gather_source,
                              tokens)
+    crossing = fit.crosses_nodes_line()
+    if crossing is not None:
+        at = f" at --dp {fit.world_size}" if request.dp is not None else ""
+        verdict, line = Verdict.CROSSES_NODES, (f"{crossing}; plan --ranks {fit.largest_node_local}, the largest "
+                                                f"shard group that fits a node{at}")
     pick = chosen or from_choice
     rows = [LayerRow(i, model.sizes.get(i), chunks.get(i), gather_ms.get(i) if gather_ms else None,
                      tuple(profile.layers[i].compute_ms[ti] for ti in token_index) if profile else ())
@@ -240,10 +254,33 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     return PlanReport(
         source=request.source, kind=model.kind, ranks=n, model_layers=model_layers, candidates=candidates,
         tokens=tokens, rows=rows, slot_model=slot_model, every_layer=every, chosen=chosen, capacity=cap,
-        verdict=verdict, verdict_line=line, kv=kv, pays_from_tokens=pays_from,
+        verdict=verdict, verdict_line=line, groups=fit, kv=kv, pays_from_tokens=pays_from,
         convert_layers=format_layers(pick.layers, num_layers=model_layers) if pick else None,
         gather_source=gather_source, backend=backend, notes=notes,
     )
+
+
+def _shard_groups(request: PlanRequest) -> GroupFit:
+    """The group size N to plan for and how the DP ranks take groups of it; refuses what cannot be."""
+    g, dp, n = request.gpus_per_node, request.dp, request.ranks
+    if g < 1:
+        raise ShardprepError(f"--gpus-per-node must be >= 1, got {g}")
+    if dp is not None and dp < 1:
+        raise ShardprepError(f"--dp must be >= 1, got {dp}")
+    if n is None:
+        if dp is None:
+            raise ShardprepError("give --ranks N (the shard group size), or --dp W to plan the largest group that "
+                                 "fits a node")
+        n = largest_node_local_group(dp, g)
+    if n < 1:
+        raise ShardprepError(f"--ranks must be >= 1, got {n}")
+    world = n if dp is None else dp
+    problem = group_size_problem(world, n)
+    if problem is not None:
+        raise ShardprepError(f"--dp {world} with --ranks {n}: {problem}; DP ranks form shard groups of N consecutive "
+                             f"ranks, so use a --ranks that divides {world} (at most {g} GPUs per node: "
+                             f"--ranks {largest_node_local_group(world, g)})")
+    return GroupFit(world, g, n)
 
 
 def _verdict(request: PlanRequest, every: LayerChoice, chosen: LayerChoice | None, pays_from: int | None,
@@ -322,14 +359,14 @@ def _gather_times(request: PlanRequest, profile: Profile | None, recv: dict[int,
     return times, f"{b.name} (profile: measured per layer, {b.recv_gbps:.1f} GB/s gather-only)", b.name
 
 
-def _read_model(request: PlanRequest) -> _Model:
+def _read_model(request: PlanRequest, n: int) -> _Model:
     root = Path(request.source)
     if (root / MANIFEST_NAME).is_file():
-        return _read_converted(root, request)
-    return _read_checkpoint(request)
+        return _read_converted(root, request, n)
+    return _read_checkpoint(request, n)
 
 
-def _read_checkpoint(request: PlanRequest) -> _Model:
+def _read_checkpoint(request: PlanRequest, n: int) -> _Model:
     from .plan import make_plan
     from .source import open_source
 
@@ -338,12 +375,12 @@ def _read_checkpoint(request: PlanRequest) -> _Model:
                           layers=parse_layers(request.layers),
                           layer_pattern=request.layer_pattern or DEFAULT_LAYER_PATTERN)
     # Laid out as convert would for this N (its chunk alignment too, `auto` unless given).
-    plan = make_plan(ckpt, request.ranks, selection, chunk_alignment=request.chunk_alignment or "auto")
-    sizes = {lay.layer: unaligned_total_bytes(lay.entries, request.ranks) for lay in plan.layouts}
+    plan = make_plan(ckpt, n, selection, chunk_alignment=request.chunk_alignment or "auto")
+    sizes = {lay.layer: unaligned_total_bytes(lay.entries, n) for lay in plan.layouts}
     return _Model("checkpoint", sizes, plan.replicated_bytes, ckpt.config, plan.chunk_alignment)
 
 
-def _read_converted(root: Path, request: PlanRequest) -> _Model:
+def _read_converted(root: Path, request: PlanRequest, n: int) -> _Model:
     from .inspect import replicated_bytes
     from .source import read_config
 
@@ -357,10 +394,10 @@ def _read_converted(root: Path, request: PlanRequest) -> _Model:
     if request.targets or request.preset:
         notes.append(f"{root} is converted: its own targets are used, --preset/--target are ignored")
     # The entries sit at the same offsets for any N; as in `account`, |T| before the chunk alignment.
-    sizes = {r.layer: unaligned_total_bytes(r.entries, request.ranks) for r in records}
-    if request.ranks != manifest.world_size:
+    sizes = {r.layer: unaligned_total_bytes(r.entries, n) for r in records}
+    if n != manifest.world_size:
         notes.append(f"{root} was converted for {manifest.world_size} ranks; sizes are laid out again for "
-                     f"{request.ranks}")
+                     f"{n}")
     config = read_config(root)
     unsharded = sum(r.total_bytes for r in manifest.layers if r not in records)
     return _Model("converted", sizes, replicated_bytes(root, manifest) + unsharded, config,

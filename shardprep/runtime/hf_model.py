@@ -16,7 +16,7 @@ import torch
 
 from ..errors import RuntimeShardError
 from ..manifests.dtypes import torch_dtype
-from ..manifests.manifest import MANIFEST_NAME
+from ..manifests.manifest import MANIFEST_NAME, load_manifest
 from .binding import Binding, bind
 
 if TYPE_CHECKING:
@@ -47,23 +47,31 @@ def build_model(
 ) -> Binding:
     """The transformers model of DIR on `device`, its targets bound to this rank's shards.
 
-    AutoModelForCausalLM for causal LMs, AutoModel otherwise, in the checkpoint's dtype. `rank`
-    defaults to this process's rank in `group` (0 without torch.distributed). `trust_remote_code` lets
-    transformers run the model code shipped in DIR (config.json's `auto_map`), as in `from_pretrained`.
+    AutoModelForCausalLM for causal LMs, AutoModel otherwise, in the checkpoint's dtype. `group` is
+    the shard group whose ranks gather together (None: `shard_group(N)`, this rank's group of the
+    manifest's N consecutive ranks, the world itself when it has N ranks); `rank`, the rank file to
+    serve, defaults to this process's rank in `group` (0 without torch.distributed). `trust_remote_code`
+    lets transformers run the model code shipped in DIR (config.json's `auto_map`), as in `from_pretrained`.
 
     >>> binding = build_model("out/", f"cuda:{local_rank}")  # doctest: +SKIP
     >>> binding.model.generate(input_ids, max_new_tokens=8, do_sample=False)  # doctest: +SKIP
     """
     directory = Path(directory)
     config_dict = _read_config(directory)
+    manifest = load_manifest(directory) if shards is None else shards.manifest
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and group is None:
+        from .shard_groups import shard_group
+
+        group = shard_group(manifest.world_size).process_group
     if shards is None:
         from ..loader.rank_shards import open_rank
 
         world_size = None
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if distributed:
             world_size = torch.distributed.get_world_size(group)
             rank = torch.distributed.get_rank(group) if rank is None else rank
-        shards = open_rank(directory, rank or 0, world_size=world_size, device=device)
+        shards = open_rank(directory, rank or 0, world_size=world_size, device=device, manifest=manifest)
     if gatherer is None:
         from .gatherer import LayerGatherer
 

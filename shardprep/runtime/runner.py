@@ -1,11 +1,14 @@
-"""The serving runner behind `shardprep run DIR`: prompts on N local ranks from a pre-sharded directory.
+"""The serving runner behind `shardprep run DIR`: prompts on W ranks in shard groups of N, from a pre-sharded DIR.
 
-Launched as `torchrun --nproc-per-node N -m shardprep.run DIR ...` (one worker per process) or as
-`shardprep run DIR --nproc N`, which starts the N workers itself with torchrun's environment
-variables. Each worker builds the model with its targets bound to its shards (gloo on CPU, NCCL on
-GPU). Prompts are spread over the ranks as in DP attention: prompt i runs on rank i mod N, and a
-rank with fewer forwards to do than the busiest one keeps taking part in the gathers (idle steps)
-until every rank is done. Rank 0 returns the results (the CLI prints them) and saves the outputs.
+Launched as `torchrun ... -m shardprep.run DIR ...` (one worker per process) or as `shardprep run DIR
+--nproc-per-node P [--nnodes M --node-rank k --rdzv-endpoint HOST:PORT]`, which starts this node's P
+workers itself with torchrun's environment variables. The W = M·P ranks form W/N shard groups of N
+consecutive ranks (N = the manifest's; `runtime/shard_groups.py`): rank r serves rank file r mod N
+and gathers with the other ranks of group r // N only. Each worker builds the model with its targets
+bound to its shards (gloo on CPU, NCCL on GPU). Prompts are spread over all W ranks as in DP
+attention: prompt i runs on rank i mod W, and a rank with fewer forwards to do than the busiest rank
+of its group keeps taking part in its group's gathers (idle steps) until its group is done. Rank 0
+returns the results (the CLI prints them) and saves the outputs.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RuntimeShardError
 from ..manifests.manifest import MANIFEST_NAME, Manifest, load_manifest
+from ..manifests.shard_groups import ShardGroups, group_size_problem
+from .launch import Nodes
 
 if TYPE_CHECKING:
     import torch
 
     from .binding import Binding
+    from .shard_groups import ShardGroup
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 DEFAULT_PROMPT = "hello world"
@@ -44,11 +50,17 @@ class RunOptions:
     save_outputs: Path | None = None
     json: bool = False
     trust_remote_code: bool = False
+    group_size: int | None = None  # the shard group size N; None: the manifest's
+    allow_cross_node_groups: bool = False
 
     def worker_argv(self) -> list[str]:
         """The `python -m shardprep.run` arguments that make a worker run these options."""
         argv = [str(self.directory), "--max-new-tokens", str(self.max_new_tokens), "--device", self.device,
                 "--backend", self.backend]
+        if self.group_size is not None:
+            argv += ["--shard-group-size", str(self.group_size)]
+        if self.allow_cross_node_groups:
+            argv.append("--allow-cross-node-groups")
         for p in self.prompts:
             argv += ["--prompt", p]
         if self.save_outputs is not None:
@@ -76,7 +88,13 @@ class PromptResult:
 
 @dataclass
 class RankInfo:
-    """One rank's device, gather backend, and the bytes it holds: parameters, buffers, shards, slots."""
+    """One rank's device, gather backend, and the bytes it holds: parameters, buffers, shards, slots.
+
+    And where it gathered: its shard group (`group`, its global ranks `group_ranks`), the rank file it
+    serves, its node, the global ranks of the process group its gatherer used (`gather_group_ranks`,
+    read back from that group), the gathers it issued, and its forwards and idle steps (each issues one
+    gather per sharded layer).
+    """
 
     rank: int
     device: str
@@ -85,25 +103,35 @@ class RankInfo:
     buffer_bytes: int
     shard_bytes: int
     slot_bytes: int
+    group: int = 0
+    group_ranks: list[int] = field(default_factory=list)
+    rank_file: int = 0
+    node: int = 0
+    gather_group_ranks: list[int] = field(default_factory=list)
+    gathers: int = 0
+    forwards: int = 0
+    idle_steps: int = 0
 
 
 @dataclass
 class RunReport:
-    """What rank 0 returns: every prompt's result, in prompt order, and every rank's memory."""
+    """What rank 0 returns: every prompt's result, in prompt order, and every rank's memory and group."""
 
     results: list[PromptResult]
     ranks: list[RankInfo]
+    group_size: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": "shardprep/run-report/1",
+                "world_size": len(self.ranks), "group_size": self.group_size,
                 "prompts": [{k: v for k, v in asdict(r).items() if k != "output"} for r in self.results],
                 "ranks": [asdict(r) for r in self.ranks]}
 
 
-def check_run_dir(directory: str | Path, world_size: int | None = None) -> Manifest:
-    """Check that DIR can be run with `world_size` ranks (manifest, config, tokenizer); returns the manifest.
+def check_run_dir(directory: str | Path) -> Manifest:
+    """Check that DIR can be run (manifest, config, tokenizer); returns the manifest.
 
-    >>> check_run_dir("out/", world_size=2).world_size  # doctest: +SKIP
+    >>> check_run_dir("out/").world_size  # doctest: +SKIP
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -114,11 +142,6 @@ def check_run_dir(directory: str | Path, world_size: int | None = None) -> Manif
             f"run `shardprep convert SRC {directory} --ranks N` first"
         )
     manifest = load_manifest(directory)
-    if world_size is not None and world_size != manifest.world_size:
-        raise RuntimeShardError(
-            f"{directory} was converted for {manifest.world_size} ranks but this run has {world_size}; "
-            f"run with {manifest.world_size} ranks, or re-run `shardprep convert --ranks {world_size}`"
-        )
     if not (directory / "config.json").is_file():
         raise RuntimeShardError(f"{directory}: no config.json; copy the source checkpoint's config.json into it")
     if not any((directory / f).is_file() for f in TOKENIZER_FILES):
@@ -129,50 +152,104 @@ def check_run_dir(directory: str | Path, world_size: int | None = None) -> Manif
     return manifest
 
 
+def check_group_size(options: RunOptions, manifest: Manifest, world_size: int) -> int:
+    """The shard group size N of a run of `world_size` ranks; refuses one that the directory cannot serve.
+
+    >>> check_group_size(RunOptions(Path("out/")), load_manifest("out/"), world_size=4)  # doctest: +SKIP
+    """
+    n, directory = manifest.world_size, options.directory
+    if options.group_size is not None and options.group_size != n:
+        raise RuntimeShardError(
+            f"--shard-group-size {options.group_size}, but {directory} was converted for {n} ranks, its shard "
+            f"group size; leave the option out, or make a directory for it with `shardprep reshard {directory} "
+            f"NEW --ranks {options.group_size}`"
+        )
+    problem = group_size_problem(world_size, n)
+    if problem is not None:
+        raise RuntimeShardError(
+            f"{directory} was converted for {n} ranks but this run has {world_size} ({problem}); run a multiple "
+            f"of {n} ranks (--nnodes × --nproc-per-node), or re-run `shardprep convert --ranks {world_size}`"
+        )
+    return n
+
+
 def is_torchrun_worker() -> bool:
     """True in a process started by torchrun (or `launch`): RANK and WORLD_SIZE are set."""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def run(options: RunOptions, nproc: int | None = None) -> RunReport | None:
-    """Run `options` as a worker when started by torchrun (WORLD_SIZE set), else launch `nproc` workers.
+def run(options: RunOptions, nproc: int | None = None, nnodes: int | None = None, node_rank: int | None = None,
+        rdzv_endpoint: str | None = None) -> RunReport | None:
+    """Run `options` as a worker when started by torchrun (WORLD_SIZE set), else launch this node's workers.
 
     A worker returns its rank's `run_worker` result (the report on rank 0); the launcher returns None
-    once every worker succeeded (each worker's CLI printed its part). `nproc` defaults to the manifest's
-    world size.
+    once every worker succeeded (each worker's CLI printed its part). `nproc` (ranks per node) defaults
+    to the manifest's N; `nnodes` (default 1), `node_rank` (default 0) and `rdzv_endpoint` (node 0's
+    HOST:PORT) place this node among the others. Under torchrun, the launch options given must be
+    torchrun's own.
 
     >>> report = run(RunOptions(Path("out/"), prompts=("hello world",), max_new_tokens=8))  # doctest: +SKIP
     """
     if is_torchrun_worker():
-        if nproc is not None and nproc != int(os.environ["WORLD_SIZE"]):
-            raise RuntimeShardError(
-                f"--nproc {nproc} inside a torchrun job of {os.environ['WORLD_SIZE']} processes; drop --nproc"
-            )
+        _check_torchrun_agrees(nproc, nnodes, node_rank, rdzv_endpoint)
         return run_worker(options)
-    launch(options, nproc)
+    launch(options, nproc, Nodes(nnodes or 1, node_rank or 0, rdzv_endpoint))
     return None
 
 
-def launch(options: RunOptions, nproc: int | None = None) -> None:
-    """Start `nproc` local workers with torch's elastic launcher (as torchrun does) and wait for them.
+def _check_torchrun_agrees(nproc: int | None, nnodes: int | None, node_rank: int | None,
+                           rdzv_endpoint: str | None) -> None:
+    local = os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
+    given = {"--nproc": (nproc, local), "--nnodes": (nnodes, os.environ.get("GROUP_WORLD_SIZE")),
+             "--node-rank": (node_rank, os.environ.get("GROUP_RANK"))}
+    for flag, (value, torchrun) in given.items():
+        if value is not None and torchrun is not None and value != int(torchrun):
+            what = f"a torchrun job of {torchrun} processes per node" if flag == "--nproc" else \
+                f"a torchrun job where it is {torchrun}"
+            raise RuntimeShardError(f"{flag} {value} inside {what}; drop {flag} (torchrun's own options place the "
+                                    "ranks)")
+    if rdzv_endpoint is not None:
+        raise RuntimeShardError("--rdzv-endpoint inside a torchrun job: torchrun's own rendezvous placed the nodes; "
+                                "drop --rdzv-endpoint")
 
-    Each worker is `python -m shardprep.run ...`; if one fails, the launcher stops the others (they
-    would wait for it in a collective forever) and this raises naming the failed rank.
+
+def launch(options: RunOptions, nproc: int | None = None, nodes: Nodes | None = None) -> None:
+    """Start this node's `nproc` workers with torch's elastic launcher (as torchrun does) and wait for them.
+
+    Each worker is `python -m shardprep.run ...`; if one fails, the launcher stops the others on this
+    node (they would wait for it in a collective forever) and this raises naming the failed rank.
 
     >>> launch(RunOptions(Path("out/")), nproc=2)  # doctest: +SKIP
+    >>> launch(RunOptions(Path("out/")), nproc=8, nodes=Nodes(2, 0, "node0:29400"))  # doctest: +SKIP
     """
     from .launch import launch_local
 
-    manifest = check_options(options, nproc)
-    launch_local(sys.executable, manifest.world_size, "-m", "shardprep.run", *options.worker_argv())
+    manifest = check_options(options, nproc, nodes)
+    launch_local(sys.executable, nproc or manifest.world_size, "-m", "shardprep.run", *options.worker_argv(),
+                 nodes=nodes)
 
 
-def check_options(options: RunOptions, nproc: int | None = None) -> Manifest:
+def check_options(options: RunOptions, nproc: int | None = None, nodes: Nodes | None = None) -> Manifest:
     """Everything that can be checked before starting processes; returns DIR's manifest.
+
+    The shard groups of the whole launch (W = nnodes × nproc ranks, numbered node-major) are checked
+    here too, so a run that would be refused by its workers is refused before any process starts.
 
     >>> check_options(RunOptions(Path("out/"), device="cpu", backend="ce"))  # doctest: +SKIP
     """
-    manifest = check_run_dir(options.directory, nproc)
+    nodes = nodes or Nodes()
+    nodes.check()
+    manifest = check_run_dir(options.directory)
+    per_node = manifest.world_size if nproc is None else nproc
+    if per_node < 1:
+        raise RuntimeShardError(f"--nproc-per-node must be >= 1, got {per_node}")
+    group_size = check_group_size(options, manifest, nodes.nnodes * per_node)
+    if not options.allow_cross_node_groups:
+        from .shard_groups import cross_node_refusal
+
+        refusal = cross_node_refusal(ShardGroups.node_major(nodes.nnodes * per_node, group_size, per_node))
+        if refusal is not None:
+            raise RuntimeShardError(refusal)
     if options.device not in DEVICES:
         raise RuntimeShardError(f"--device {options.device!r}: expected one of {', '.join(DEVICES)}")
     if options.backend not in BACKEND_CHOICES:
@@ -187,8 +264,8 @@ def check_options(options: RunOptions, nproc: int | None = None) -> Manifest:
             what = f"--backend {options.backend}" if options.backend in CUDA_BACKENDS else "--device cuda"
             raise RuntimeShardError(f"{what} needs CUDA, but torch sees no CUDA device; use --device cpu "
                                     "--backend gloo (or auto)")
-        if torch.cuda.device_count() < manifest.world_size:
-            raise RuntimeShardError(f"{options.directory} needs {manifest.world_size} ranks, one GPU each, but "
+        if torch.cuda.device_count() < per_node:
+            raise RuntimeShardError(f"{per_node} ranks on this node need one GPU each, but "
                                     f"{torch.cuda.device_count()} GPUs are visible")
     if device == "cpu" and options.backend in CUDA_BACKENDS:
         raise RuntimeShardError(f"--backend {options.backend} needs --device cuda; on the CPU use gloo (or auto)")
@@ -209,11 +286,15 @@ def run_worker(options: RunOptions) -> RunReport | None:
     import torch.distributed as dist
 
     from .launch import init_local_rank
+    from .shard_groups import shard_group
 
-    check_run_dir(options.directory, int(os.environ["WORLD_SIZE"]))
+    manifest = check_run_dir(options.directory)
+    group_size = check_group_size(options, manifest, int(os.environ["WORLD_SIZE"]))
     rank, world_size, device = init_local_rank(options.device)
     try:
-        results, info = _serve(options, device, rank, world_size)
+        # Every rank builds (or refuses) the same groups before anything is gathered.
+        group = shard_group(group_size, allow_cross_node_groups=options.allow_cross_node_groups)
+        results, info = _serve(options, device, group)
         gathered: list[Any] = [None] * world_size if rank == 0 else []
         dist.gather_object((results, info), gathered if rank == 0 else None, dst=0)
     finally:
@@ -224,11 +305,20 @@ def run_worker(options: RunOptions) -> RunReport | None:
     if options.save_outputs is not None:
         outputs = [r.output for r in everything]
         torch.save(outputs[0] if len(outputs) == 1 else outputs, options.save_outputs)
-    return RunReport(everything, [m for _, m in gathered])
+    return RunReport(everything, [m for _, m in gathered], group_size)
 
 
-def _serve(options: RunOptions, device: torch.device, rank: int,
-           world_size: int) -> tuple[list[PromptResult], RankInfo]:
+def forwards_per_rank(prompts: int, world_size: int, ranks: tuple[int, ...]) -> int:
+    """Prompts of the busiest of `ranks` when prompt i runs on rank i mod `world_size`: what each rank of
+    a group must step through, so that every rank of the group issues the same gathers.
+
+    >>> forwards_per_rank(5, 4, (0, 1)), forwards_per_rank(5, 4, (2, 3)), forwards_per_rank(1, 4, (2, 3))
+    (2, 1, 0)
+    """
+    return max(len(range(r, prompts, world_size)) for r in ranks)
+
+
+def _serve(options: RunOptions, device: torch.device, group: ShardGroup) -> tuple[list[PromptResult], RankInfo]:
     import torch
     import transformers
 
@@ -236,16 +326,16 @@ def _serve(options: RunOptions, device: torch.device, rank: int,
 
     from .hf_model import build_model, is_causal_lm
 
+    rank, world_size = group.rank, group.layout.world_size
     tokenizer = _tokenizer(options.directory, options.trust_remote_code)
-    binding = build_model(options.directory, device, backend=options.backend,
+    binding = build_model(options.directory, device, group=group.process_group, backend=options.backend,
                           trust_remote_code=options.trust_remote_code)
-    info = _rank_info(binding, rank)
     causal = is_causal_lm(options.directory)
     # Forwards per prompt are known in advance (generate() makes one per new token), so every rank
-    # can tell how many idle steps keep it aligned with the busiest rank without asking the others.
+    # can tell how many idle steps keep it aligned with the busiest rank of its group without asking.
     per_prompt = (options.max_new_tokens if causal else 0) + (1 if options.save_outputs or not causal else 0)
     mine = list(range(rank, len(options.prompts), world_size))
-    budget = per_prompt * -(-len(options.prompts) // world_size)
+    budget = per_prompt * forwards_per_rank(len(options.prompts), world_size, group.ranks)
     results = []
     with torch.inference_mode():
         for i in mine:
@@ -255,9 +345,10 @@ def _serve(options: RunOptions, device: torch.device, rank: int,
                 f"rank {rank} made {binding.forward_count} forwards, more than the {budget} planned; the ranks' "
                 "gathers are no longer aligned"
             )
-        for _ in range(budget - binding.forward_count):
+        idle = budget - binding.forward_count
+        for _ in range(idle):
             binding.idle_step()
-    return results, info
+    return results, _rank_info(binding, group, idle)
 
 
 def _serve_prompt(options: RunOptions, binding: Binding, tokenizer: Any, index: int, rank: int, causal: bool,
@@ -291,10 +382,12 @@ def _tokenizer(directory: Path, trust_remote_code: bool) -> Any:
         raise RuntimeShardError(f"{directory}: cannot load its tokenizer ({str(exc).splitlines()[0]})") from None
 
 
-def _rank_info(binding: Binding, rank: int) -> RankInfo:
+def _rank_info(binding: Binding, group: ShardGroup, idle_steps: int) -> RankInfo:
+    import torch.distributed as dist
+
     bound = {id(p) for p in binding.target_parameters.values()}
     return RankInfo(
-        rank=rank,
+        rank=group.rank,
         device=str(binding.shards.device),
         backend=binding.gatherer.backend_name,
         # The targets live in the slots (counted in slot_bytes), not in storage of the model's own.
@@ -302,6 +395,14 @@ def _rank_info(binding: Binding, rank: int) -> RankInfo:
         buffer_bytes=_storage_bytes(binding.model.buffers()),
         shard_bytes=binding.shards.nbytes,
         slot_bytes=binding.gatherer.slot_bytes,
+        group=group.index,
+        group_ranks=list(group.ranks),
+        rank_file=binding.shards.rank,
+        node=group.node,
+        gather_group_ranks=dist.get_process_group_ranks(binding.gatherer.group),
+        gathers=binding.gatherer.gathers_issued,
+        forwards=binding.forward_count,
+        idle_steps=idle_steps,
     )
 
 

@@ -28,11 +28,17 @@ from pathlib import Path
 
 ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default asks for a share of the memory node, which is shared here
-    "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per TP worker or DP rank (TP=2 needs it; TP=1 takes the first)
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+
+def threads_bind(dp_size: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND: one core per TP worker or DP rank, alternating over the two cores. Each DP
+    rank takes its entry, so the list has one per DP rank ("0|1|0|1" at DP=4); TP=2 needs "0|1", TP=1 takes
+    the first."""
+    return "|".join(str(i % 2) for i in range(max(2, dp_size)))
 
 
 def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict, str]:
@@ -41,7 +47,8 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
     plan_path.write_text(json.dumps(plan))
     with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs
         done = subprocess.run([sys.executable, __file__, str(plan_path), str(results_path)], stdout=log,
-                              stderr=subprocess.STDOUT, timeout=timeout, env={**os.environ, **ENV})
+                              stderr=subprocess.STDOUT, timeout=timeout,
+                              env={**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(plan["dp_size"])})
     output = log_path.read_text()
     assert done.returncode == 0 and results_path.exists(), output[-6000:]
     return json.loads(results_path.read_text()), output

@@ -12,6 +12,10 @@
 - Building the model: linear layers create their weights in `quant_method.create_weights` while the
   model's constructor runs (`BaseModelLoader.create_model`); `target_weights_without_storage` makes
   the targets' weights there without storage.
+- The other steps vLLM runs on weights after loading (`process_weights_after_loading`): an attention
+  layer's (MLA absorbs kv_b_proj into W_UK/W_UV) and a quantized method's. A bound parameter that one
+  of them would read or rewrite is refused before it runs, and after it ran every bound parameter is
+  checked to be the same object over the same memory.
 
 Nothing else in shardprep imports vLLM's internals.
 """
@@ -19,10 +23,10 @@ Nothing else in shardprep imports vLLM's internals.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -219,21 +223,85 @@ def add_splitting_ops(ops: tuple[str, ...]) -> None:
     compilation.splitting_ops.extend(op for op in ops if op not in compilation.splitting_ops)
 
 
-def keep_plain_linear(module: nn.Module) -> None:
-    """Keep `module`'s weight a parameter that its forward reads each time (vLLM's F.linear path on the CPU).
+def refuse_post_processed(model: nn.Module, bound: Mapping[str, nn.Parameter]) -> None:
+    """Refuse, in one line naming the parameter and vLLM's step, a bound parameter that vLLM processes after
+    loading: one inside an attention layer with a post-load step (MLAAttention absorbs kv_b_proj into
+    W_UK/W_UV, copies that would stay resident in full and be computed from a weight that is not there),
+    or one whose layer has a quantized method (it rewrites the weight). `bound`: manifest name → parameter.
 
-    Raises ShardprepError for a quantized linear: its post-load processing rewrites the weight in place.
+    Call it after binding and before vLLM's `process_weights_after_loading`; it reads module kinds only.
+
+    >>> refuse_post_processed(model, binding.target_parameters)  # doctest: +SKIP
     """
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     from ...errors import ShardprepError
 
-    method = getattr(module, "quant_method", None)
-    if method is not None and not isinstance(method, UnquantizedLinearMethod):
-        raise ShardprepError(
-            f"{type(module).__name__} uses {type(method).__name__}: sharded mode supports unquantized targets "
-            "only (vLLM rewrites quantized weights after loading); serve this model in full mode"
-        )
+    names = {id(p): name for name, p in bound.items()}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if is_deferred_attention_layer(module):
+            owned, step = module.parameters(), f"{type(module).__name__}.process_weights_after_loading"
+            if hasattr(module, "kv_b_proj"):
+                step += " absorbs kv_b_proj into W_UK/W_UV"
+        elif method is not None and not isinstance(method, UnquantizedLinearMethod):
+            owned = module.parameters(recurse=False)
+            step = f"{type(method).__name__}.process_weights_after_loading rewrites quantized weights"
+        else:
+            continue
+        hit = next((names[id(p)] for p in owned if id(p) in names), None)
+        if hit is not None:
+            raise ShardprepError(
+                f"shard_weights: {hit!r} is post-processed by vLLM after loading ({step}), which a gathered "
+                "weight cannot go through; convert without it (the shipped presets leave such weights "
+                "replicated) or serve this directory in full mode"
+            )
+
+
+class ParameterPlace(NamedTuple):
+    """Where a bound parameter is: the module attribute that holds it, and the address of its data."""
+
+    module: nn.Module
+    attribute: str
+    data_ptr: int
+
+
+def bound_places(model: nn.Module, bound: Mapping[str, nn.Parameter]) -> dict[str, ParameterPlace]:
+    """Manifest name → where that bound parameter is now; taken before vLLM post-processes the weights.
+
+    >>> before = bound_places(model, binding.target_parameters)  # doctest: +SKIP
+    """
+    names = {id(p): name for name, p in bound.items()}
+    return {names[id(p)]: ParameterPlace(module, attribute, p.data_ptr())
+            for module in model.modules() for attribute, p in module._parameters.items()
+            if p is not None and id(p) in names}
+
+
+def refuse_replaced_after_processing(before: Mapping[str, ParameterPlace], bound: Mapping[str, nn.Parameter]) -> None:
+    """Refuse, naming it, a bound parameter that vLLM's post-load processing replaced or pointed elsewhere.
+
+    A step that `refuse_post_processed` does not know of (a newer vLLM, another platform) shows here:
+    the module's attribute no longer holds the bound parameter, or its data moved.
+
+    >>> refuse_replaced_after_processing(before, binding.target_parameters)  # doctest: +SKIP
+    """
+    from ...errors import ShardprepError
+
+    for name, (module, attribute, data_ptr) in before.items():
+        if module._parameters.get(attribute) is not bound[name] or bound[name].data_ptr() != data_ptr:
+            raise ShardprepError(
+                f"shard_weights: vLLM's process_weights_after_loading replaced {name!r} "
+                f"({type(module).__name__}.{attribute}), so it would no longer be read from the gathered "
+                "weights; convert without it or serve this directory in full mode"
+            )
+
+
+def keep_plain_linear(module: nn.Module) -> None:
+    """Keep `module`'s weight a parameter that its forward reads each time (vLLM's F.linear path on the CPU).
+
+    Call `refuse_post_processed` first: a quantized linear's weight cannot be kept this way.
+    """
     # vLLM's CPU linear method skips its repacking GEMM dispatch for layers that set this flag (it was
     # made for MLA's kv_b_proj) and calls torch.nn.functional.linear on `.weight` instead.
     module._cpu_skip_gemm_dispatch = True  # type: ignore[assignment]

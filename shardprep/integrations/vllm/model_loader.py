@@ -36,6 +36,7 @@ class ShardprepModelLoader(BaseModelLoader):
         self.options = ShardprepLoadOptions.from_extra_config(load_config.model_loader_extra_config)
         self.binding: Binding | None = None
         self._without_storage: list[tuple[str, nn.Parameter]] = []
+        self._bound_before_processing: dict[str, compat.ParameterPlace] = {}
 
     def download_model(self, model_config: ModelConfig) -> None:
         load_manifest(model_config.model)  # nothing to download: a local output directory, or a clear refusal
@@ -58,7 +59,10 @@ class ShardprepModelLoader(BaseModelLoader):
         if not self.options.shard_weights:
             load_full(model, directory, self.options.verify)
             return
-        self.binding = load_sharded(model, directory, layout, compat.keep_plain_linear, self.options.verify)
+        self.binding = load_sharded(model, directory, layout, compat.keep_plain_linear, self.options.verify,
+                                    self.options.shard_group_size, self.options.allow_cross_node_groups,
+                                    refuse_post_processed=compat.refuse_post_processed)
+        self._bound_before_processing = compat.bound_places(model, self.binding.target_parameters)
         bound = {id(param) for param in self.binding.target_parameters.values()}
         unbound = [name for name, param in self._without_storage if id(param) not in bound]
         if unbound:
@@ -67,6 +71,14 @@ class ShardprepModelLoader(BaseModelLoader):
         if not layout.eager:
             compat.add_splitting_ops(SPLITTING_OPS)
         compat.logger().info(startup_line(self.binding, directory))
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        # vLLM's process_weights_after_loading runs inside, after load_weights: check that it left every
+        # bound parameter where the binding put it.
+        model = super().load_model(vllm_config, model_config, prefix)
+        if self.binding is not None:
+            compat.refuse_replaced_after_processing(self._bound_before_processing, self.binding.target_parameters)
+        return model
 
 
 def bound_later(manifest: Manifest) -> Callable[[str], bool]:

@@ -1,17 +1,19 @@
 """Sharded mode: DP attention inside vLLM, each data-parallel rank holding only its own rank file.
 
-Rank r of N (N = the manifest's world size = vLLM's data-parallel size) maps only
-`rank_files[r]`, binds the model's target parameters, once, to a `LayerGatherer`'s views over a group of the N DP
-ranks (gloo on the CPU), and loads only the non-targets into the model. Before each bound decoder
-layer runs, its weights are gathered into one of two slots, one layer ahead, by the two ops that
-`bind` puts around the layer (runtime/layer_ops.py), which vLLM's compiled model calls like any op;
-vLLM's idle DP ranks run dummy forwards of MoE models, so every rank issues the same gathers. Nothing here imports vLLM:
-what depends on it comes in through `ParallelLayout` and the `keep_plain_linear` callback.
+vLLM's data-parallel size is k·N (N = the manifest's world size): the DP ranks form k shard groups
+of N consecutive DP ranks (`runtime/shard_groups.py`). DP rank r maps only `rank_files[r mod N]`,
+binds the model's target parameters, once, to a `LayerGatherer`'s views over its group (gloo on the
+CPU), and loads only the non-targets into the model. Before each bound decoder layer runs, its
+weights are gathered into one of two slots, one layer ahead, by the two ops that `bind` puts around
+the layer (runtime/layer_ops.py), which vLLM's compiled model calls like any op; vLLM's idle DP ranks
+run dummy forwards of MoE models (all DP ranks step together), so every rank of a group issues the
+same gathers. Nothing here imports vLLM: what depends on it comes in through `ParallelLayout` and the
+`keep_plain_linear` and `refuse_post_processed` callbacks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -21,32 +23,45 @@ from ...errors import ShardprepError
 from ...loader.rank_shards import iter_replicated, open_rank
 from ...manifests.accounting import account
 from ...manifests.manifest import Manifest, load_manifest
+from ...manifests.shard_groups import group_size_problem
 from ...runtime.binding import Binding, bind
 from ...runtime.gatherer import LayerGatherer
+from ...runtime.shard_groups import shard_group
 from .compat import ParallelLayout
 from .full_mode import check_all_loaded
 
 
-def check_layout(layout: ParallelLayout, manifest: Manifest, directory: str | Path) -> None:
+def check_layout(layout: ParallelLayout, manifest: Manifest, directory: str | Path,
+                 group_size: int | None = None) -> None:
     """Refuse, in one line, a parallel configuration in which sharded mode cannot work.
+
+    `group_size`: the `shard_group_size` the user asked for (None: not given), which must be the manifest's N.
 
     >>> check_layout(layout, load_manifest("out/"), "out/")  # doctest: +SKIP
     """
+    n = manifest.world_size
     if layout.tp_size != 1 or layout.pp_size != 1:
         raise ShardprepError(
             f"shard_weights is DP attention: tensor_parallel_size and pipeline_parallel_size must be 1, got "
-            f"{layout.tp_size} and {layout.pp_size}; use data_parallel_size={manifest.world_size}, or full mode"
+            f"{layout.tp_size} and {layout.pp_size}; use data_parallel_size={n} (or a multiple), or full mode"
         )
-    if manifest.world_size > 1 and not layout.lockstep_dp:
+    if n > 1 and not layout.lockstep_dp:
         raise ShardprepError(
             "shard_weights needs a MoE model: vLLM runs the data-parallel ranks of a dense model independently "
             "(no dummy forwards on idle ranks), so their gathers could not pair up; serve it in full mode"
         )
-    if layout.dp_size != manifest.world_size:
+    if group_size is not None and group_size != n:
         raise ShardprepError(
-            f"{directory}: converted for {manifest.world_size} ranks, but vLLM runs data_parallel_size="
-            f"{layout.dp_size}; launch {manifest.world_size} DP ranks or re-run `shardprep convert --ranks "
-            f"{layout.dp_size}`"
+            f"model_loader_extra_config: shard_group_size {group_size}, but {directory} was converted for {n} "
+            f"ranks, its shard group size; leave the key out or set it to {n}, or make a directory for "
+            f"{group_size} ranks with `shardprep reshard {directory} NEW --ranks {group_size}`"
+        )
+    problem = group_size_problem(layout.dp_size, n)
+    if problem is not None:
+        raise ShardprepError(
+            f"{directory}: converted for {n} ranks, but vLLM runs data_parallel_size={layout.dp_size} ({problem}); "
+            f"launch a multiple of {n} DP ranks (shard groups of {n} consecutive DP ranks), or re-run `shardprep "
+            f"convert --ranks {layout.dp_size}`"
         )
     if layout.platform not in ("cpu", "cuda"):
         raise ShardprepError(f"shard_weights runs on CPU and CUDA workers, not on {layout.platform}; use full mode")
@@ -58,23 +73,36 @@ def load_sharded(
     layout: ParallelLayout,
     keep_plain_linear: Callable[[nn.Module], None],
     verify: bool = True,
+    group_size: int | None = None,
+    allow_cross_node_groups: bool = False,
+    refuse_post_processed: Callable[[nn.Module, Mapping[str, nn.Parameter]], None] | None = None,
 ) -> Binding:
     """Bind `model`'s targets to this DP rank's shards and load its other weights; returns the binding.
 
-    Collective over the DP ranks (each builds the same gatherer). `keep_plain_linear(module)` is called
-    for every module that owns a bound parameter, before vLLM post-processes the weights.
+    Collective over the DP ranks (each builds every shard group, then its group's gatherer).
+    `refuse_post_processed(model, bound)` raises for a bound parameter that the server transforms after
+    loading; then `keep_plain_linear(module)` is called for every module that owns a bound parameter. Both
+    run before vLLM post-processes the weights. `group_size` and `allow_cross_node_groups` are the user's
+    `shard_group_size` and `allow_cross_node_groups` options.
 
     >>> binding = load_sharded(model, "out/", compat.current_layout(), compat.keep_plain_linear)  # doctest: +SKIP
     """
     manifest = load_manifest(directory)
-    check_layout(layout, manifest, directory)
-    shards = open_rank(directory, layout.dp_rank, world_size=layout.dp_size, device=layout.device, verify=verify,
-                       manifest=manifest)
+    check_layout(layout, manifest, directory, group_size)
+    if tuple(layout.dp_world_ranks) != tuple(range(torch.distributed.get_world_size())):
+        # Shard groups divide the world: with TP = PP = 1 vLLM's world is the DP ranks, in DP rank order.
+        raise ShardprepError(f"shard_weights: vLLM's DP ranks {list(layout.dp_world_ranks)} are not its whole "
+                             f"torch.distributed world of {torch.distributed.get_world_size()}; serve in full mode")
     backend = "gloo" if layout.device.type == "cpu" else "nccl"
-    # A group of its own, so that the gathers never interleave with vLLM's collectives.
-    group = torch.distributed.new_group(list(layout.dp_world_ranks), backend=backend)
-    gatherer = LayerGatherer(shards, group=group, backend="auto")
+    # Groups of their own (even for one group), so that the gathers never interleave with vLLM's collectives.
+    group = shard_group(manifest.world_size, backend=backend, own_communicator=True,
+                        allow_cross_node_groups=allow_cross_node_groups)
+    shards = open_rank(directory, group.rank_file, world_size=manifest.world_size, device=layout.device,
+                       verify=verify, manifest=manifest)
+    gatherer = LayerGatherer(shards, group=group.process_group, backend="auto")
     binding = bind(model, shards, gatherer)
+    if refuse_post_processed is not None:
+        refuse_post_processed(model, binding.target_parameters)
     bound = {id(p) for p in binding.target_parameters.values()}
     for module in model.modules():
         if any(id(p) in bound for p in module.parameters(recurse=False)):
@@ -89,8 +117,9 @@ def load_sharded(
 def startup_line(binding: Binding, directory: str | Path) -> str:
     """The one line each rank logs at startup: what it holds against what full weights would take.
 
-    Rank, world size, the layers bound, the gather backend, and the resident target bytes (its chunks,
-    R/N, plus the slots, 2·max|T|) against R, all read from the buffers themselves (docs/serving.md).
+    DP rank and size, the layers bound, the gather backend, the resident target bytes (its chunks,
+    R/N, plus the slots, 2·max|T|) against R, all read from the buffers themselves, and the rank's
+    shard group (its DP ranks read back from the gatherer's process group) and rank file (docs/serving.md).
 
     >>> log.info(startup_line(binding, "out/"))  # doctest: +SKIP
     """
@@ -99,10 +128,15 @@ def startup_line(binding: Binding, directory: str | Path) -> str:
     local = sum(shards.chunk(layer).numel() for layer in gatherer.layers)
     layers = [layer.index for layer in binding.layers]
     full = account(manifest).sharded_bytes
-    return (f"shardprep: DP rank {shards.rank} of {shards.world_size} serves {directory} sharded: "
+    # The DP ranks are the world (load_sharded checks it), so global ranks are DP ranks.
+    group_ranks = torch.distributed.get_process_group_ranks(gatherer.group)
+    dp_size, n = torch.distributed.get_world_size(), shards.world_size
+    return (f"shardprep: DP rank {group_ranks[shards.rank]} of {dp_size} serves {directory} sharded: "
             f"{len(layers)} layers bound ({layers[0]}..{layers[-1]}), gather backend {gatherer.backend_name}; "
             f"resident target bytes {local + gatherer.slot_bytes} = R/N {local} + {gatherer.num_slots} slots "
-            f"{gatherer.slot_bytes} (+ {shards.nbytes - local} alignment padding), against {full} for full weights")
+            f"{gatherer.slot_bytes} (+ {shards.nbytes - local} alignment padding), against {full} for full weights; "
+            f"shard group {group_ranks[0] // n} of {dp_size // n} (DP ranks {group_ranks[0]}..{group_ranks[-1]}), "
+            f"rank file {shards.rank} of {n}")
 
 
 def _names_of(model: nn.Module, ids: set[int]) -> set[str]:

@@ -1,10 +1,12 @@
 """nccl-symm: the nccl all-gather, on buffers registered as NCCL symmetric windows.
 
 The backend owns a NCCL communicator of its own (a new group over the same ranks, created eagerly
-with a warm-up collective) and a `torch.cuda.MemPool` backed by NCCL's allocator. The shard buffer
-and the slots are allocated in that pool and registered with `register_mem_pool(pool, symm=True)`,
-which makes NCCL's symmetric kernels eligible for the gathers. Registration happens after every
-buffer is allocated: recent torch no longer upgrades segments allocated after registration.
+with a warm-up collective) and a `torch.cuda.MemPool` backed by NCCL's allocator. Only the gather
+group's ranks create that communicator: for a shard group inside a larger world it is split from the
+shard group's own (splitting the world's would wait for the ranks of every other group). The shard
+buffer and the slots are allocated in that pool and registered with `register_mem_pool(pool,
+symm=True)`, which makes NCCL's symmetric kernels eligible for the gathers. Registration happens after
+every buffer is allocated: recent torch no longer upgrades segments allocated after registration.
 
 `cta_policy=2` (NCCL's zero-CTA policy: copy-engine collectives) is opt-in. The policy is read by
 NCCL when a communicator is created, so the backend creates its group with NCCL_CTA_POLICY set,
@@ -54,17 +56,11 @@ class NcclSymmBackend(NcclBackend):
                 self._open(None)
 
     def _open(self, cta_policy: int | None) -> None:
-        ranks = dist.get_process_group_ranks(self.parent)
-        kwargs: dict[str, Any] = {}
-        if "device_id" in inspect.signature(dist.new_group).parameters:
-            kwargs["device_id"] = self.device
-        if self.parent is not dist.group.WORLD:
-            kwargs["use_local_synchronization"] = True
         saved = os.environ.get("NCCL_CTA_POLICY")
         if cta_policy is not None:
             os.environ["NCCL_CTA_POLICY"] = str(cta_policy)
         try:
-            self.group = dist.new_group(ranks, backend="nccl", **kwargs)
+            self.group = self._new_communicator()
             # The communicator must exist before a pool can be registered with it.
             warm = torch.zeros(1, device=self.device)
             dist.all_reduce(warm, group=self.group)
@@ -79,6 +75,23 @@ class NcclSymmBackend(NcclBackend):
         self._pool = torch.cuda.MemPool(self._impl.mem_allocator)
         self._registered = False
         self._owned.clear()
+
+    def _new_communicator(self) -> dist.ProcessGroup:
+        """A NCCL group over the parent's ranks, created by the parent's ranks only (this is collective
+        over the parent group, which may be one shard group of a larger world)."""
+        ranks = dist.get_process_group_ranks(self.parent)
+        kwargs: dict[str, Any] = {}
+        if "device_id" in inspect.signature(dist.new_group).parameters:
+            kwargs["device_id"] = self.device
+        if self.parent is dist.group.WORLD:
+            return dist.new_group(ranks, backend="nccl", **kwargs)
+        if getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None) is not None:
+            # new_group would split the world's communicator, a collective over every world rank, which
+            # the ranks of other shard groups never join; split the parent's instead.
+            group = dist.split_group(self.parent, [list(range(len(ranks)))])
+            assert group is not None, "every rank of the parent is in the split"
+            return group
+        return dist.new_group(ranks, backend="nccl", use_local_synchronization=True, **kwargs)
 
     def allocate_local(self, nbytes: int) -> torch.Tensor:
         with torch.cuda.use_mem_pool(self._pool, device=self.device):
