@@ -10,9 +10,10 @@ its DP rank. A DP rank waits for its peers before shutting an engine down: an id
 keep taking part in the collectives until the busiest rank is done.
 
 PLAN: {"dp_size": N, "env" (optional: variables for every engine process), "runs": [{"name", "model" (a path,
-or one per DP rank), "llm" (LLM kwargs), "prompts" (one list per DP rank), "max_tokens" (one per DP rank)}]}. RESULTS: {name: [per DP rank:
-{"tokens": [[ids] per prompt]} or {"error": "Type: message"}]}. Tests call `run_engines(plan, workdir)`,
-which runs this script in a subprocess and keeps everything it prints in `workdir/engines.log`.
+or one per DP rank), "llm" (LLM kwargs), "prompts" (one list per DP rank), "max_tokens" (one per DP rank)}]}.
+RESULTS: {name: [per DP rank: {"tokens": [[ids] per prompt]} or {"error": "Type: message"}]}.
+Tests call `run_engines(plan, workdir)`, which runs this script in a subprocess and keeps everything it
+prints in `workdir/engines.log`.
 """
 
 from __future__ import annotations
