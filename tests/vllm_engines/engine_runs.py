@@ -27,6 +27,9 @@ import sys
 import traceback
 from pathlib import Path
 
+import same_kernels
+
+HERE = str(Path(__file__).parent)
 ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default asks for a share of the memory node, which is shared here
     "HF_HUB_OFFLINE": "1",
@@ -46,10 +49,13 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
     """Run `plan` in a fresh process; (results, everything it printed: vLLM's and the workers' logs)."""
     plan_path, results_path, log_path = workdir / "plan.json", workdir / "results.json", workdir / "engines.log"
     plan_path.write_text(json.dumps(plan))
+    plugins = workdir / "plugins"
+    same_kernels.install(plugins)  # acts only in engines whose env sets SAME_KERNELS
+    path = os.pathsep.join(p for p in (HERE, str(plugins), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(plan["dp_size"]), "PYTHONPATH": path}
     with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs
         done = subprocess.run([sys.executable, __file__, str(plan_path), str(results_path)], stdout=log,
-                              stderr=subprocess.STDOUT, timeout=timeout,
-                              env={**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(plan["dp_size"])})
+                              stderr=subprocess.STDOUT, timeout=timeout, env=env)
     output = log_path.read_text()
     assert done.returncode == 0 and results_path.exists(), output[-6000:]
     return json.loads(results_path.read_text()), output

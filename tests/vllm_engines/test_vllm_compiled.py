@@ -23,6 +23,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(3600)
 
 from engine_runs import run_engines  # noqa: E402
+from same_kernels import SAME_KERNELS  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
@@ -55,7 +56,7 @@ def own_dirs(checkpoint_cache, tmp_path_factory):
 
 
 def _plan(out, own, llm, env):
-    return {"dp_size": 2, "env": env, "runs": [
+    return {"dp_size": 2, "env": {**SAME_KERNELS, **env}, "runs": [
         {"name": "unsharded", "model": str(out), "llm": llm, "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
         {"name": "sharded", "model": own, "llm": {**llm, **SHARDED}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
     ]}

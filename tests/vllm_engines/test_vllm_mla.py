@@ -24,6 +24,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(2400)
 
 from engine_runs import run_engines  # noqa: E402
+from same_kernels import SAME_KERNELS  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
@@ -102,7 +103,7 @@ def dp2(outputs, tmp_path_factory):
                      "max_tokens": max_tokens})
         runs.append({"name": f"{arch} sharded", "model": own[arch], "llm": SHARDED, "prompts": prompts,
                      "max_tokens": max_tokens})
-    results, output = run_engines({"dp_size": 2, "runs": runs}, root)
+    results, output = run_engines({"dp_size": 2, "env": SAME_KERNELS, "runs": runs}, root)
     return results, output, prompts, max_tokens, own
 
 

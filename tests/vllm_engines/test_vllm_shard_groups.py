@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(3000)
 
 from engine_runs import run_engines  # noqa: E402
+from same_kernels import SAME_KERNELS  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
@@ -58,7 +59,7 @@ def engines(checkpoint_cache, tmp_path_factory):
          "llm": {**LLM, "model_loader_extra_config": {"shard_weights": True, "shard_group_size": N}},
          "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
     ]
-    results, output = run_engines({"dp_size": DP, "runs": runs}, root, timeout=2700)
+    results, output = run_engines({"dp_size": DP, "env": SAME_KERNELS, "runs": runs}, root, timeout=2700)
     return results, output, own
 
 

@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(2400)
 
 from engine_runs import run_engines  # noqa: E402
+from same_kernels import SAME_KERNELS  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
@@ -57,7 +58,7 @@ def engines(checkpoint_cache, tmp_path_factory):
         {"name": "sharded", "model": own, "llm": {**LLM, "model_loader_extra_config": {"shard_weights": True}},
          "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
     ]
-    results, output = run_engines({"dp_size": 2, "runs": runs}, root)
+    results, output = run_engines({"dp_size": 2, "env": SAME_KERNELS, "runs": runs}, root)
     return results, output, manifest, own
 
 
