@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
     plan_path, results_path, log_path = workdir / "plan.json", workdir / "results.json", workdir / "engines.log"
     plan_path.write_text(json.dumps(plan))
     plugins = workdir / "plugins"
-    same_kernels.install(plugins)  # acts only in engines whose env sets SAME_KERNELS
+    declare_vllm_plugin(plugins, same_kernels.NAME, "same_kernels:register")  # acts only where env asks
     path = os.pathsep.join(p for p in (HERE, str(plugins), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(plan["dp_size"]), "PYTHONPATH": path}
     with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs
@@ -59,6 +60,32 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
     output = log_path.read_text()
     assert done.returncode == 0 and results_path.exists(), output[-6000:]
     return json.loads(results_path.read_text()), output
+
+
+def declare_vllm_plugin(directory: Path, name: str, entry: str) -> None:
+    """Make `directory` (on PYTHONPATH) declare `entry` ("module:function") as a vLLM general plugin."""
+    meta = directory / f"{name}-0.dist-info"
+    meta.mkdir(parents=True, exist_ok=True)
+    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0\n")
+    (meta / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{name} = {entry}\n")
+
+
+def own_rank_files(out: Path, root: Path, dp_size: int) -> list[str]:
+    """One directory per DP rank holding only the rank file it serves (rank r of a group of N: file r mod N).
+
+    DP rank r must never need another rank's file; hard links keep the copies free.
+    """
+    from shardprep.manifests import load_manifest
+
+    manifest = load_manifest(out)
+    dirs = []
+    for rank in range(dp_size):
+        mine = shutil.copytree(out, root / f"{out.name}-dp{rank}", copy_function=os.link)
+        for other, rel in enumerate(manifest.rank_files):
+            if other != rank % manifest.world_size:
+                os.unlink(mine / rel)
+        dirs.append(str(mine))
+    return dirs
 
 
 def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, dict]:

@@ -28,10 +28,9 @@ NAME = "shardprep_load_probe"
 
 def install(directory: Path) -> None:
     """Make `directory` (put it on PYTHONPATH) declare this module as a vLLM general plugin."""
-    meta = directory / f"{NAME}-0.dist-info"
-    meta.mkdir(parents=True, exist_ok=True)
-    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {NAME}\nVersion: 0\n")
-    (meta / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{NAME} = load_probe:register\n")
+    from engine_runs import declare_vllm_plugin
+
+    declare_vllm_plugin(directory, NAME, "load_probe:register")
 
 
 def register() -> None:

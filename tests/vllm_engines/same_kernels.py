@@ -8,27 +8,18 @@ SHARDPREP_TEST_SAME_KERNELS=1 in an engine's environment, full mode marks the sa
 (`_cpu_skip_gemm_dispatch`), so the two runs differ only by where the weights come from. On an AVX2-only CPU
 vLLM falls back to `F.linear` everywhere and this changes nothing.
 
-Registered as a second `vllm.general_plugins` entry point: `install(dir)` writes the entry point's metadata
-into `dir`, which `engine_runs.run_engines` puts on PYTHONPATH for every plan.
+Registered as a second `vllm.general_plugins` entry point: `engine_runs.run_engines` declares it in a
+directory it puts on PYTHONPATH for every plan.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 ENV = "SHARDPREP_TEST_SAME_KERNELS"
 SAME_KERNELS = {ENV: "1"}
 """A plan's `env` for engines whose tokens are compared with sharded mode's."""
 NAME = "shardprep_same_kernels"
-
-
-def install(directory: Path) -> None:
-    """Make `directory` (put it on PYTHONPATH) declare this module as a vLLM general plugin."""
-    meta = directory / f"{NAME}-0.dist-info"
-    meta.mkdir(parents=True, exist_ok=True)
-    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {NAME}\nVersion: 0\n")
-    (meta / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{NAME} = same_kernels:register\n")
 
 
 def register() -> None:

@@ -13,19 +13,16 @@ this project is lent): piecewise and full CUDA graphs at DP=2, tokens equal to t
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 
 import pytest
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(3600)
 
-from engine_runs import run_engines  # noqa: E402
+from engine_runs import own_rank_files, run_engines  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
 
-from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
 
 # Rank 0 gets one short request and idles for most steps; rank 1 gets many longer ones.
@@ -44,14 +41,7 @@ def own_dirs(checkpoint_cache, tmp_path_factory):
     src = checkpoint_cache("qwen3-moe", head_dim=32, layers=4)
     out = root / "out"
     convert(src, out, 2, preset="qwen3-moe")
-    manifest = load_manifest(out)
-    own = []
-    for rank in range(2):  # DP rank r's directory holds only rank r's file
-        mine = shutil.copytree(out, root / f"rank{rank}", copy_function=os.link)
-        for other, rel in enumerate(manifest.rank_files):
-            if other != rank:
-                os.unlink(mine / rel)
-        own.append(str(mine))
+    own = own_rank_files(out, root, 2)  # DP rank r's directory holds only rank file r
     return root, out, own
 
 
@@ -83,9 +73,9 @@ def test_sharded_dp2_compiled_gives_the_unsharded_compiled_tokens_under_uneven_l
     _check_same_tokens(dynamo_engines[0])
 
 
-def test_the_sharded_engines_traced_the_gather_ops_into_their_graphs(dynamo_engines):
+def test_the_sharded_engines_traced_the_gather_ops_into_their_graphs(dynamo_engines, own_dirs):
     output = dynamo_engines[1]
-    sharded = output[output.index("/rank0"):]  # the sharded engines' part of the log (they run second)
+    sharded = output[output.index(own_dirs[2][0]):]  # the sharded engines' part of the log (they run second)
     traced = re.findall(r"torch\.ops\.shardprep\.layer_(begin|end)\(", sharded)
     # Both DP ranks traced 3 bound layers (1..3): a begin and an end each, plus the begin-only op of layer 0.
     assert traced.count("begin") >= 2 * 4 and traced.count("end") >= 2 * 3, sharded[-3000:]

@@ -13,9 +13,6 @@ against the source at DP=1. Two plans (engine_runs.py), one process each: DP=1, 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +20,7 @@ pytest.importorskip("vllm")
 # Engines start slowly on two shared cores (tens of seconds per vLLM import, several imports per engine).
 pytestmark = pytest.mark.timeout(2400)
 
-from engine_runs import run_engines  # noqa: E402
+from engine_runs import own_rank_files, run_engines  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
@@ -41,22 +38,6 @@ def uneven_load(dp_size: int) -> tuple[list[list[str]], list[int]]:
     """Prompts and max_tokens per DP rank: rank 0 one short request (it idles most steps), the others many."""
     prompts = [["hello"]] + [PROMPTS + [f"x y z {rank}", "weights shard the model"] for rank in range(1, dp_size)]
     return prompts, [3] + [20] * (dp_size - 1)
-
-
-def own_rank_files(out: Path, root: Path, dp_size: int) -> list[str]:
-    """One directory per DP rank holding only the rank file it serves (rank r of a group of N: file r mod N).
-
-    DP rank r must never need another rank's file; hard links keep the copies free.
-    """
-    manifest = load_manifest(out)
-    dirs = []
-    for rank in range(dp_size):
-        mine = shutil.copytree(out, root / f"{out.name}-dp{rank}", copy_function=os.link)
-        for other, rel in enumerate(manifest.rank_files):
-            if other != rank % manifest.world_size:
-                os.unlink(mine / rel)
-        dirs.append(str(mine))
-    return dirs
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,7 @@ the unsharded reference (full mode) first, then sharded mode.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 
 import pytest
 
@@ -19,10 +17,9 @@ pytest.importorskip("vllm")
 # Four DP ranks on two shared cores: each engine start costs several vLLM imports per rank.
 pytestmark = pytest.mark.timeout(3000)
 
-from engine_runs import run_engines  # noqa: E402
+from engine_runs import own_rank_files, run_engines  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
 
-from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
 
 DP, N = 4, 2
@@ -44,15 +41,7 @@ def engines(checkpoint_cache, tmp_path_factory):
     src = checkpoint_cache("qwen3-moe", head_dim=32, layers=4)
     out = root / "out"
     convert(src, out, N, preset="qwen3-moe")
-    manifest = load_manifest(out)
-    # DP rank r's directory holds only rank file r mod N: the one it serves.
-    own = []
-    for rank in range(DP):
-        mine = shutil.copytree(out, root / f"dp{rank}", copy_function=os.link)
-        for other, rel in enumerate(manifest.rank_files):
-            if other != rank % N:
-                os.unlink(mine / rel)
-        own.append(str(mine))
+    own = own_rank_files(out, root, DP)  # DP rank r's directory holds only rank file r mod N
     runs = [
         {"name": "unsharded", "model": str(out), "llm": LLM, "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
         {"name": "sharded", "model": own,

@@ -10,9 +10,7 @@ the gathered targets are exactly the same. Both DP ranks run both engines in one
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 
 import pytest
 
@@ -20,7 +18,7 @@ pytest.importorskip("vllm")
 # Engines start slowly on two shared cores (tens of seconds per vLLM import, several imports per engine).
 pytestmark = pytest.mark.timeout(2400)
 
-from engine_runs import run_engines  # noqa: E402
+from engine_runs import own_rank_files, run_engines  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
@@ -45,14 +43,7 @@ def engines(checkpoint_cache, tmp_path_factory):
     out = root / "out"
     convert(src, out, 2, preset="qwen3-moe")
     manifest = load_manifest(out)
-    # DP rank r's directory holds only rank r's file: it must never need another rank's.
-    own = []
-    for rank in range(2):
-        mine = shutil.copytree(out, root / f"rank{rank}", copy_function=os.link)
-        for other, rel in enumerate(manifest.rank_files):
-            if other != rank:
-                os.unlink(mine / rel)
-        own.append(str(mine))
+    own = own_rank_files(out, root, 2)  # DP rank r's directory holds only rank file r mod N
     runs = [
         {"name": "unsharded", "model": str(out), "llm": LLM, "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
         {"name": "sharded", "model": own, "llm": {**LLM, "model_loader_extra_config": {"shard_weights": True}},
