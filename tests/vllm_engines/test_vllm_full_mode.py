@@ -82,8 +82,6 @@ def engines(checkpoint_cache, tmp_path_factory):
         run("vLLM's default loader on OUT", out, **BASE),
         run("sharded, DP size 1 for 2 ranks", moe, **SHARDPREP, model_loader_extra_config={"shard_weights": True}),
         run("sharded, dense model", out, **SHARDPREP, model_loader_extra_config={"shard_weights": True}),
-        run("sharded, compiled", out, **{**SHARDPREP, "enforce_eager": False},
-            model_loader_extra_config={"shard_weights": True}),
         run("source tp2", src, tp=2, **BASE),
         run("shardprep tp2", out, tp=2, **SHARDPREP),
     ]
@@ -146,8 +144,3 @@ def test_sharded_mode_refuses_a_data_parallel_size_other_than_the_world_size(eng
 def test_sharded_mode_refuses_a_dense_model_whose_dp_ranks_vllm_does_not_run_in_lockstep(engines):
     error = engines[0]["sharded, dense model"].get("error", "")
     assert error.startswith("ShardprepError: shard_weights needs a MoE model")
-
-
-def test_sharded_mode_refuses_torch_compile_and_cuda_graphs(engines):
-    error = engines[0]["sharded, compiled"].get("error", "")
-    assert error.startswith("ShardprepError: shard_weights needs enforce_eager=True")
