@@ -97,14 +97,23 @@ def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, d
         os.environ["VLLM_DP_MASTER_PORT"] = str(port)
         model = run["model"] if isinstance(run["model"], str) else run["model"][dp_rank]
         llm = None
+        handed_over = barrier is None
         try:
             llm = LLM(model=model, **run["llm"])
             params = SamplingParams(temperature=0, max_tokens=run["max_tokens"][dp_rank], ignore_eos=True)
+            if barrier is not None:
+                # Every DP rank hands its requests over at the same moment: a rank that started stepping while
+                # its peers were still loading would batch its first steps with their idle (dummy) steps, and
+                # the MoE, which sees every rank's tokens, would round some of them differently from run to run.
+                barrier.wait(timeout=900)
+                handed_over = True
             outputs = llm.generate(run["prompts"][dp_rank], params, use_tqdm=False)
             results[run["name"]] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
         except Exception as exc:  # recorded: the refusal cases expect one
             traceback.print_exc()
             results[run["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+        if not handed_over:  # failed before: still meet the peers there, so every rank waits twice per run
+            barrier.wait(timeout=900)
         if barrier is not None:
             barrier.wait(timeout=900)  # every DP rank's requests are done before any engine stops
         del llm
