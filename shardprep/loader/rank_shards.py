@@ -24,6 +24,7 @@ from ..manifests.paths import resolve_inside
 from ..manifests.rank_file import check_rank_header
 from ..manifests.replicated import NOTICE_FILE, check_replicated_file, read_replicated_index
 from ..manifests.safetensors_header import read_safetensors_header
+from ..manifests.swap_lock import reads_output
 
 Allocate = Callable[[int], torch.Tensor]
 """allocate(nbytes) → a 1-D uint8 device tensor of that size (for example, registered or shareable memory)."""
@@ -95,6 +96,7 @@ class RankShards:
         return load_replicated(self.directory, self.manifest, device, verify)
 
 
+@reads_output  # the old output or the new one, never half of each, while --overwrite replaces it
 def load_replicated(directory: str | Path, manifest: Manifest, device: str | torch.device = "cpu",
                     verify: bool = True) -> dict[str, torch.Tensor]:
     """Every non-target tensor, read from the output directory's safetensors files onto `device`.
@@ -133,6 +135,7 @@ def load_replicated(directory: str | Path, manifest: Manifest, device: str | tor
     return out
 
 
+@reads_output  # the manifest and the rank file of one output, while --overwrite replaces it
 def open_rank(
     path: str | Path,
     rank: int,
