@@ -43,6 +43,9 @@ from ..manifests.accounting import human_bytes
 from ..manifests.manifest import MANIFEST_NAME  # what marks a directory as a shardprep output
 from ..manifests.swap_lock import SWAP_LOCK_SUFFIX, remove_if_free, swapping
 
+# What marks a directory as written by shardprep, and so replaceable with --overwrite: an output's manifest, or
+# the record `export` writes into a plain checkpoint.
+EXPORT_RECORD = "shardprep_export.json"
 STAGING_MARK = ".shardprep-tmp-"
 LOCK_SUFFIX = ".shardprep-lock"
 # tempfile.mkdtemp's suffix: 8 characters of this alphabet. Only names of exactly this shape are ever removed.
@@ -90,8 +93,9 @@ def check_output_dir(out: Path, inputs: Sequence[Path], overwrite: bool) -> None
     """Refuse an OUT that a write could not safely replace; nothing is touched.
 
     Refused: OUT inside an input or containing one, a symlink, a mount point, a file, and a non-empty
-    directory unless `overwrite` is set *and* it is a shardprep output (it holds a regular file named
-    shard_manifest.json; its content is not parsed, so a damaged output can be replaced by reconverting).
+    directory unless `overwrite` is set *and* shardprep wrote it (it holds a regular file named
+    shard_manifest.json, or shardprep_export.json for an export; its content is not parsed, so a damaged
+    output can be replaced by reconverting).
 
     >>> check_output_dir(Path("out"), [Path("my-model")], overwrite=False)  # doctest: +SKIP
     """
@@ -117,7 +121,8 @@ def check_output_dir(out: Path, inputs: Sequence[Path], overwrite: bool) -> None
     if _is_empty(out):
         return
     if not _is_output(out):
-        raise OutputError(f"{out}: directory is not empty and not a shardprep output (no {MANIFEST_NAME}); "
+        raise OutputError(f"{out}: directory is not empty and not a shardprep output (no {MANIFEST_NAME} or "
+                          f"{EXPORT_RECORD}); "
                           "choose another location" + ("" if overwrite else " (--overwrite only replaces outputs)"))
     if not overwrite:
         raise OutputError(f"{out}: directory is not empty; pass --overwrite to replace it")
@@ -439,10 +444,13 @@ def _is_empty(directory: Path) -> bool:
 
 
 def _is_output(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path / MANIFEST_NAME).st_mode)
-    except OSError:
-        return False
+    for name in (MANIFEST_NAME, EXPORT_RECORD):
+        try:
+            if stat.S_ISREG(os.lstat(path / name).st_mode):
+                return True
+        except OSError:
+            pass
+    return False
 
 
 def _fsync_tree(root: Path) -> None:
