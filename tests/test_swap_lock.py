@@ -156,7 +156,7 @@ def test_validate_sees_the_old_output_whole_while_overwrite_swaps_in_the_new(com
         out = tmp_path / "new"
         reshard(tmp_path / "out2", out, 3)
         args = ["reshard", str(tmp_path / "out2"), str(out), "--ranks", "4", "--overwrite", "--quiet"]
-    # Without the lock the swap lands inside the window within milliseconds; with it, the swap waits and the
+    # Without the lock the swap lands inside the window at once; with it, the swap waits and the
     # window closes unused after this long.
     (read_code, read_out), (write_code, write_out) = writer_and_reader(tmp_path, args, out, window=1.0)
     assert read_code == 0 and read_out.splitlines()[1].startswith("valid"), read_out

@@ -7,7 +7,7 @@ OUT's files one after another: without a lock it could read the old manifest and
 on `.OUT.shardprep-swap-lock` while it reads, and the writer takes it exclusively around the swap alone:
 
 - The lock file sits next to OUT, not inside it: OUT itself is what the swap replaces.
-- The writer holds it for the exchange and one directory fsync, milliseconds: readers never wait for a
+- The writer holds it for the exchange and one directory fsync only: readers never wait for a
   convert's staging, only for a swap in progress. The swap waits for the readers that came first; a
   reader that holds it long (full mode reading hundreds of GB) holds the swap off as long, and a warning
   names it after `NOTICE_AFTER` seconds (`swapping(timeout=)` gives up instead, OUT unchanged).
@@ -225,7 +225,7 @@ def _lock_shared(path: Path) -> int | None:
             except (OSError, ValueError):
                 return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only for a swap in progress: milliseconds
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only for a swap in progress
         except OSError:  # ENOLCK: a filesystem without locks, where no one can rely on the file either
             os.close(fd)
             try:
