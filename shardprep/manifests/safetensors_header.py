@@ -93,9 +93,9 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
     past = [t for t in tensors.values() if t.end > data_size]
     if past:
         t = min(past, key=lambda t: (t.begin, t.end))  # of a truncated file, the first tensor cut off
-        raise _invalid(where, f"tensor {quoted(t.name)} has data_offsets [{t.begin}, {t.end}) past the end of the "
-                       f"file (its data region holds {max(data_size, 0)} bytes; the file is truncated or its header "
-                       "corrupt)", tensor=t.name)
+        raise _invalid(where, f"truncated file or corrupt header: tensor {quoted(t.name)} has data_offsets "
+                       f"[{t.begin}, {t.end}) past the end of the file (its data region holds {max(data_size, 0)} "
+                       "bytes)", tensor=t.name)
     at = 0
     for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
         if t.begin != at:
