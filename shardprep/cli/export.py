@@ -19,7 +19,7 @@ def export_command(
                                                              "empty unless --overwrite).")],
     copy_mode: Annotated[CopyMode, typer.Option(help="auto: hard-link the files carried over from OUT when "
                                                      "possible.")] = CopyMode.AUTO,
-    overwrite: Annotated[bool, typer.Option(help="Replace a previous shardprep output in DIR (atomically).")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace a previous export (or output) in DIR, atomically.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary "
                                                           "(schema shardprep/export-summary/1).")] = False,

@@ -176,12 +176,11 @@ def plan_export(source: ReshardInput) -> ExportPlan:
     metadata = {key: value for key, value in replicated.metadata.items() if key != "shardprep"}
     metadata["total_size"] = replicated_bytes + sum(e.nbytes for f in target_files for e in f.tensors)
     carried = tuple(f for f in m.replicated_files if f.path not in (m.replicated_index, NOTICE_FILE))
-    provenance = {"schema": RECORD_SCHEMA, "created_by": CREATED_BY,
-              "exported_from": {"path": str(source.root.resolve()), "world_size": m.world_size,
-                                "created_by": m.created_by},
-              "source": m.source, "quantization": m.quantization}
-    return ExportPlan(target_files, carried, {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))},
-                      provenance)
+    exported_from = {"path": str(source.root.resolve()), "world_size": m.world_size, "created_by": m.created_by}
+    provenance = {"schema": RECORD_SCHEMA, "created_by": CREATED_BY, "exported_from": exported_from,
+                  "source": m.source, "quantization": m.quantization}
+    index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+    return ExportPlan(target_files, carried, index, provenance)
 
 
 def _replicated_part(source: ReshardInput) -> tuple[ReplicatedIndex, int]:

@@ -1,4 +1,4 @@
-"""Output directories that never lose data, for any command that writes one (convert, later reshard).
+"""Output directories that never lose data, for any command that writes one (convert, reshard, export).
 
 `staged_output(OUT)` yields an empty staging directory next to OUT; the caller writes everything into
 it. On success the staging directory takes OUT's place in one atomic step, so at every instant OUT is
