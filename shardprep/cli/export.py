@@ -9,7 +9,7 @@ import typer
 
 from ..prep.convert import CopyMode
 from ._errors import cli_errors, stop_signals_interrupt
-from ._format import byte_progress, human_bytes, print_json
+from ._format import byte_progress, human_bytes, not_carried_phrase, print_json
 
 
 def export_command(
@@ -32,12 +32,10 @@ def export_command(
     if json_out:
         print_json(summary.to_dict())
     elif not quiet:
-        unlisted = summary.unlisted_files
         typer.echo(
             f"wrote {summary.dest}: {summary.target_tensors} target tensors ({human_bytes(summary.target_bytes)}) of "
             f"{len(summary.layers)} layers rebuilt from {summary.world_size} rank files into "
             f"{len(summary.target_files)} safetensors files; {summary.carried_files} other files "
             f"({human_bytes(summary.carried_bytes)}, {len(summary.linked_files)} linked); {summary.seconds:.1f} s"
-            + (f"; not carried over, as {summary.out}'s manifest does not list them: {', '.join(unlisted[:5])}"
-               + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "") if unlisted else "")
+            + not_carried_phrase(summary)
         )
