@@ -91,12 +91,13 @@ check_replicated, validate_module._check_replicated = validate_module._check_rep
 app(["validate", out])
 """
 
-# Runs `shardprep validate OUT` in a loop in one process until STOP exists; prints one JSON line per failure.
+# Runs `shardprep validate OUT` in a loop in one process until STOP exists, keeping the count of runs in COUNT;
+# prints one JSON line per failure.
 VALIDATE_LOOP = """
-import json, pathlib, sys, time
+import json, os, pathlib, sys, time
 from typer.testing import CliRunner
 from shardprep.cli import app
-out, stop = sys.argv[1], pathlib.Path(sys.argv[2])
+out, stop, count = sys.argv[1], pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
 runner, runs = CliRunner(), 0
 runner.invoke(app, ["validate", out])
 print("ready", flush=True)
@@ -105,6 +106,8 @@ while not stop.exists():
     runs += 1
     if result.exit_code != 0:
         print(json.dumps({"exit": result.exit_code, "output": result.output[-400:]}), flush=True)
+    count.with_suffix(".part").write_text(str(runs))
+    os.replace(count.with_suffix(".part"), count)
     time.sleep(0.01)  # a gap for the swap, as between two runs of the command
 print(json.dumps({"runs": runs}), flush=True)
 """
@@ -175,14 +178,18 @@ def test_validate_in_a_loop_during_overwrites_never_reports_a_good_output_invali
     else:
         convert(llama, tmp_path / "src", 3, preset="llama")
         reshard(tmp_path / "src", out, 2)
-    stop = tmp_path / "stop"
-    loop = subprocess.Popen([sys.executable, "-c", VALIDATE_LOOP, str(out), str(stop)], env=ENV,
+    stop, count = tmp_path / "stop", tmp_path / "count"
+    loop = subprocess.Popen([sys.executable, "-c", VALIDATE_LOOP, str(out), str(stop), str(count)], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     overwrites = 0
+
+    def validated() -> int:
+        return int(count.read_text()) if count.exists() else 0
+
     try:
         assert loop.stdout.readline().strip() == "ready"
-        t0 = time.monotonic()
-        while overwrites < 6 or time.monotonic() - t0 < 3:
+        deadline = time.monotonic() + 300  # a bound on a machine too busy to validate, never reached otherwise
+        while (overwrites < 6 or validated() < 30) and time.monotonic() < deadline and loop.poll() is None:
             n = 4 if overwrites % 2 == 0 else 2
             if command == "convert":
                 convert(llama, out, n, preset="llama", overwrite=True)
@@ -195,8 +202,8 @@ def test_validate_in_a_loop_during_overwrites_never_reports_a_good_output_invali
     lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     failures = [line for line in lines if "exit" in line]
     assert not failures, failures[:3]
-    assert lines[-1]["runs"] >= overwrites, output  # the loop ran throughout
-    assert validate(out).ok and entries(tmp_path).count("out") == 1
+    assert lines[-1]["runs"] >= 30, output  # validated throughout the overwrites
+    assert validate(out).ok and not list(tmp_path.glob(f".*{swap_lock.SWAP_LOCK_SUFFIX}"))
 
 
 def test_a_convert_staging_its_output_does_not_hold_readers_off(llama, tmp_path):
