@@ -1,6 +1,8 @@
-"""Startup loading: one rank's open_rank vs safetensors.load_file of the full checkpoint, in one run.
+"""Startup loading: one rank's open_rank vs safetensors.load_file of the full checkpoint, in one run; and
+(--steps) what each rank holds after each step of its startup.
 
     python3 benchmarks/bench_load.py --size-gb 2 --ranks 8 [--device cpu] [--write-docs]
+    python3 benchmarks/bench_load.py --steps --size-gb 0.5 --ranks 2 [--device cuda] [--write-docs]
 
 A synthetic Llama-layout bf16 checkpoint (HF names, ~500 MB safetensors shards plus an index) is
 written with safetensors.torch.save_file and converted for `--ranks` ranks (attention and MLP of
@@ -16,6 +18,14 @@ Each phase is measured cold (the model files evicted from the page cache with PO
 bytes read from storage (/proc/self/io read_bytes), and peak anonymous memory (RssAnon sampled every
 millisecond; VmHWM, which also counts mapped file pages, alongside). With --device cpu the buffer
 itself is anonymous memory (it is the "device" memory); with --device cuda only the staging is.
+open_rank reads the file on first use, so these phases touch `shards.buffer` (it reads the file there).
+
+--steps: `--ranks` processes (gloo on the CPU, NCCL with one GPU each on CUDA) start up as a server
+would: open_rank(verify=True), LayerGatherer, build_model (bind plus the replicated part), and after
+each step every rank reports what it holds and the peak so far: host RSS and its peak (VmRSS,
+VmHWM reset through /proc/self/clear_refs); on CUDA also torch's allocated memory and its peak, the
+driver's used memory (cudaMemGetInfo, which sees the zero-copy allocations torch does not) and the
+pinned host memory. Against `shardprep inspect`'s prediction: R/N + slots + replicated part.
 """
 
 from __future__ import annotations
@@ -33,16 +43,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Load (bench_load.py)"
+STEPS_SECTION = "## Startup steps (bench_load.py --steps --device {device})"
 
-PHASE = r"""
-import json, os, sys, threading, time
+PRELUDE = r"""
+import gc, json, os, sys, threading, time
 sys.path.insert(0, {repo!r})
 
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
+"""
 
+PHASE = PRELUDE + r"""
 def read_bytes():
     for line in open("/proc/self/io"):
         if line.startswith("read_bytes:"):
@@ -112,6 +125,61 @@ print(json.dumps({{"seconds": seconds, "read_bytes": read_bytes() - io0, "loaded
                   "anon_peak": peak[0] - anon0, "rss_peak": peak[1] - rss0}}))
 """
 
+STEPS = PRELUDE + r"""
+import torch
+import torch.distributed as dist
+from shardprep.loader import open_rank
+from shardprep.runtime import LayerGatherer, make_backend
+from shardprep.runtime.hf_model import build_model
+from transformers.models.llama import modeling_llama  # imported before the baseline, like everything else
+
+rank, n, args = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), {args!r}
+cuda = args["device"] == "cuda"
+device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(device)
+dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+backend = make_backend(args["backend"], None, device)  # its probe and connections: not a startup step
+if cuda:
+    x = torch.ones(1 << 20, device=device)
+    dist.all_gather_into_tensor(torch.empty(n << 20, device=device), x)
+    torch.empty(1, pin_memory=True)
+    del x
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    alloc0 = torch.cuda.memory_allocated(device)
+    def pinned(key):  # torch's pinned host allocator (older torch has no statistics: 0)
+        return getattr(torch.cuda, "host_memory_stats", dict)().get(key, 0)
+    pinned0 = pinned("allocated_bytes.all.current")
+    free0, total = torch.cuda.mem_get_info(device)
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")
+rss0 = status("VmRSS")
+steps = []
+def step(name):
+    row = {{"step": name, "rss": status("VmRSS") - rss0, "rss_peak": status("VmHWM") - rss0}}
+    if cuda:
+        torch.cuda.synchronize(device)
+        row.update(torch=torch.cuda.memory_allocated(device) - alloc0,
+                   torch_peak=torch.cuda.max_memory_allocated(device) - alloc0,
+                   device=free0 - torch.cuda.mem_get_info(device)[0],
+                   pinned_peak=pinned("allocated_bytes.all.peak") - pinned0)
+    steps.append(row)
+
+shards = open_rank(args["out"], rank, n, device=device, verify=True)
+step("open_rank")
+gatherer = LayerGatherer(shards, backend=backend)
+step("LayerGatherer")
+binding = build_model(args["out"], device, shards=shards, gatherer=gatherer)
+step("build_model (bind + replicated)")
+bound = set(binding.target_parameters)
+replicated = sum(p.numel() * p.element_size() for name, p in binding.model.named_parameters() if name not in bound)
+print(json.dumps({{"rank": rank, "steps": steps, "shard_bytes": shards.nbytes, "slot_bytes": gatherer.slot_bytes,
+                  "replicated_bytes": replicated, "zero_copy": gatherer.zero_copy, "backend": gatherer.backend_name}}))
+dist.destroy_process_group()
+"""
+
 PHASES = ("full load_file", "targets load_file", "open_rank", "open_rank + replicated")
 TARGETS = ["*.layers.*.self_attn.*_proj.weight", "*.layers.*.mlp.*_proj.weight"]
 
@@ -156,9 +224,13 @@ def make_checkpoint(root: Path, size_gb: float, hidden: int, inter: int, vocab: 
     total = sum(_numel(s) * 2 for s in shapes.values())
     (root / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    # Heads of 64 and kv = hidden / 4: a config transformers builds the model of (build_model, --steps).
     (root / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                                                   "hidden_size": hidden, "intermediate_size": inter,
-                                                  "num_hidden_layers": layers, "vocab_size": vocab}))
+                                                  "num_hidden_layers": layers, "vocab_size": vocab,
+                                                  "num_attention_heads": hidden // 64,
+                                                  "num_key_value_heads": hidden // 256,
+                                                  "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
     return {name: _numel(s) * 2 for name, s in shapes.items()}
 
 
@@ -198,8 +270,31 @@ def run_phase(phase: str, args: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_steps(out: Path, ranks: int, device: str, backend: str) -> list[dict]:
+    """STEPS on `ranks` fresh processes of one group; each rank's report, in rank order."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = STEPS.format(repo=str(REPO), args={"out": str(out), "device": device, "backend": backend})
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(ranks),
+                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(ranks)]
+    reports = []
+    for r, proc in enumerate(procs):
+        stdout, stderr = proc.communicate(timeout=1200)
+        if proc.returncode:
+            raise RuntimeError(f"rank {r} failed:\n{stderr[-3000:]}")
+        reports.append(json.loads(stdout.strip().splitlines()[-1]))
+    return reports
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", action="store_true", help="what each rank holds after each startup step")
+    p.add_argument("--backend", default="auto", help="--steps: the gather backend")
     p.add_argument("--size-gb", type=float, default=2.0)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
@@ -209,7 +304,8 @@ def main(argv=None) -> int:
     p.add_argument("--drop-caches", action="store_true", help="cold = drop the whole page cache, not just the files")
     p.add_argument("--workdir", default=None, help="where to write the checkpoints (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--write-docs", action="store_true", help=f"replace '{SECTION}' in docs/benchmarks.md")
+    p.add_argument("--write-docs", action="store_true",
+                   help=f"replace '{SECTION}' (with --steps, its own section per device) in docs/benchmarks.md")
     a = p.parse_args(argv)
     command = "python3 benchmarks/bench_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
@@ -225,6 +321,23 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         summary = convert(src, out, a.ranks, targets=TARGETS, preset="llama")
         converted = time.perf_counter() - t
+        if a.steps:
+            from shardprep.prep.inspect import inspect
+
+            predicted = inspect(out)
+            report = {"command": command, "machine": machine(), "ranks": a.ranks, "device": a.device,
+                      "checkpoint": {"bytes": sum(sizes.values()), "target_bytes": summary.target_bytes,
+                                     "rank_file_bytes": summary.rank_file_bytes,
+                                     "replicated_bytes": summary.replicated_bytes},
+                      "predicted": {"slot_model": predicted["slot_model"], **predicted["capacity"]},
+                      "ranks_report": run_steps(out, a.ranks, a.device, a.backend)}
+            text = steps_markdown(report)
+            print(text)
+            if a.json:
+                Path(a.json).write_text(json.dumps(report, indent=1))
+            if a.write_docs:
+                write_section(REPO / "docs" / "benchmarks.md", text, STEPS_SECTION.format(device=a.device))
+            return 0
         weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
         from shardprep.manifests import load_manifest
 
@@ -304,15 +417,45 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace (or append) the section starting at SECTION, up to the next `## ` heading."""
+def steps_markdown(r: dict) -> str:
+    mb = 1e6
+    pred = r["predicted"]
+    cuda = r["device"] == "cuda"
+    lines = [
+        STEPS_SECTION.format(device=r["device"]), "",
+        f"Command: `{r['command']}`", "",
+        f"Machine: {r['machine']}. Checkpoint {r['checkpoint']['bytes'] / mb:.0f} MB bf16, targets "
+        f"{r['checkpoint']['target_bytes'] / mb:.0f} MB, {r['ranks']} ranks (rank file "
+        f"{r['checkpoint']['rank_file_bytes'] / mb:.1f} MB).", "",
+        f"`inspect` predicts, for a CUDA device (slots: {pred['slot_model'].split(':')[0]}): startup peak on the "
+        f"device {pred['startup_peak_bytes'] / mb:.1f} MB (rank file + slots + replicated part "
+        f"{pred['replicated_part_bytes'] / mb:.1f} MB), host staging {pred['staging_bytes'] / mb:.0f} MB (pinned).", "",
+        "| rank | step | host RSS MB | host peak MB |" + (" torch MB | torch peak MB | device used MB | "
+                                                            "pinned peak MB |" if cuda else ""),
+        "|---|---|---|---|" + ("---|---|---|---|" if cuda else ""),
+    ]
+    for rep in r["ranks_report"]:
+        for row in rep["steps"]:
+            cells = [rep["rank"], row["step"], f"{row['rss'] / mb:.1f}", f"{row['rss_peak'] / mb:.1f}"]
+            if cuda:
+                cells += [f"{row[k] / mb:.1f}" for k in ("torch", "torch_peak", "device", "pinned_peak")]
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+    rep = r["ranks_report"][0]
+    lines += ["", f"Rank 0 holds: rank file {rep['shard_bytes'] / mb:.1f} MB, slots {rep['slot_bytes'] / mb:.1f} MB "
+              f"({rep['backend']}, zero copy {'on' if rep['zero_copy'] else 'off'}), replicated parameters "
+              f"{rep['replicated_bytes'] / mb:.1f} MB."]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, text: str, section: str = SECTION) -> None:
+    """Replace (or append) the section starting at `section`, up to the next `## ` heading."""
     header = "# Benchmarks\n\nEvery figure here comes with the command that produced it.\n"
     old = path.read_text() if path.exists() else header
-    start = old.find(SECTION)
+    start = old.find(section)
     if start < 0:
         new = old.rstrip("\n") + "\n\n" + text
     else:
-        end = old.find("\n## ", start + len(SECTION))
+        end = old.find("\n## ", start + len(section))
         new = old[:start] + text + (old[end + 1:] if end >= 0 else "")
     path.write_text(new)
 

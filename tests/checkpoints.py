@@ -14,6 +14,16 @@ import torch
 
 ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "bert")
 
+LLAMA_ALL_LINEAR = {
+    "name": "llama-all-linear",
+    "targets": ["*.layers.*.self_attn.*.weight", "*.layers.*.mlp.*.weight"],
+    "fused": [{"name": "self_attn.qkv_proj.weight",
+               "members": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]},
+              {"name": "mlp.gate_up_proj.weight", "members": ["mlp.gate_proj.weight", "mlp.up_proj.weight"]}],
+}
+"""A preset (write it to a JSON file) under which a Llama's targets dominate it: attention and MLP, fused as vLLM
+fuses them (qkv_proj, gate_up_proj). The startup-memory tests use it."""
+
 
 def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 128, head_dim: int | None = None):
     """A small transformers config of the given architecture (odd sizes on purpose: rows not divisible by N).

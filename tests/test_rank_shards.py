@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -13,9 +14,10 @@ import torch
 from checkpoints import read_state_dict
 
 from shardprep.errors import IntegrityError, RuntimeShardError
-from shardprep.loader import RankShards, open_rank
+from shardprep.loader import RankShards, iter_replicated, load_replicated, open_rank
 from shardprep.loader.rank_shards import copy_through_staging
 from shardprep.manifests import load_manifest
+from shardprep.manifests.safetensors_header import read_safetensors_header
 from shardprep.prep.convert import convert
 from shardprep.runtime.views import layer_views
 
@@ -117,6 +119,33 @@ def test_load_replicated_is_every_non_target_bit_exact(out3, checkpoint_cache):
         assert t.dtype == src[name].dtype and torch.equal(t.view(torch.uint8), src[name].view(torch.uint8))
 
 
+def test_iter_replicated_hands_out_load_replicated_one_tensor_at_a_time(out3):
+    m = load_manifest(out3)
+    whole = load_replicated(out3, m)
+    seen = []
+    for name, t in iter_replicated(out3, m):
+        assert t.dtype == whole[name].dtype and torch.equal(t.view(torch.uint8), whole[name].view(torch.uint8))
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()  # memory of its own, not a file map
+        seen.append(name)
+    assert sorted(seen) == sorted(whole)
+
+
+def test_iter_replicated_refuses_a_corrupt_file_before_handing_out_any_of_its_tensors(out3, tmp_path):
+    d = shutil.copytree(out3, tmp_path / "bad")
+    m = load_manifest(d)
+    name = json.loads((d / m.replicated_index).read_text())["weight_map"]["model.embed_tokens.weight"]
+    path = d / name
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.write_bytes(bytes(data))
+    held = set(read_safetensors_header(path).tensors)
+    got = []
+    with pytest.raises(IntegrityError, match=f"{name}: checksum"):
+        for tensor_name, _ in iter_replicated(d, m):
+            got.append(tensor_name)
+    assert not held & set(got)
+
+
 def test_load_replicated_names_a_missing_index(out3, tmp_path):
     d = shutil.copytree(out3, tmp_path / "noindex")
     (d / "model.safetensors.index.json").unlink()
@@ -140,11 +169,90 @@ def test_allocate_supplies_the_buffer(out3):
         return given[-1]
 
     shards = open_rank(out3, 0, allocate=allocate)
-    assert shards.buffer is given[0]
+    assert shards.loaded and shards.buffer is given[0]  # the caller chose the memory: read into it at once
     moved = []
     before = bytes(shards.buffer.numpy())
     shards.rehome(lambda n: moved.append(torch.empty(n, dtype=torch.uint8)) or moved[-1])
     assert shards.buffer is moved[0] and bytes(shards.buffer.numpy()) == before
+
+
+def test_open_rank_reads_nothing_until_the_buffer_is_used(out3, monkeypatch):
+    m = load_manifest(out3)
+    data = (out3 / m.rank_files[1]).read_bytes()
+    real, read = os.preadv, []
+
+    def counting_preadv(fd, buffers, offset):
+        got = real(fd, buffers, offset)
+        read.append(got)
+        return got
+
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    shards = open_rank(out3, 1, 3, manifest=m)
+    assert not shards.loaded and sum(read) == len(m.rank_header)  # the header check alone
+    assert shards.nbytes == len(data) and shards.device == torch.device("cpu")
+    read.clear()
+    first = m.layers[0]
+    assert bytes(shards.chunk(first.layer).numpy()) == data[first.file_offset:first.file_offset + first.chunk_bytes]
+    assert shards.loaded and sum(read) == len(data) and bytes(shards.buffer.numpy()) == data
+
+
+def test_rehome_before_first_use_reads_the_file_straight_into_the_given_memory(out3):
+    data = (out3 / load_manifest(out3).rank_files[2]).read_bytes()
+    shards = open_rank(out3, 2, 3)
+    home = torch.full((len(data),), 0xAA, dtype=torch.uint8)
+    copies = []
+    real_copy = torch.Tensor.copy_
+
+    def counting_copy(self, src, *args, **kwargs):
+        copies.append(src.numel())
+        return real_copy(self, src, *args, **kwargs)
+
+    torch.Tensor.copy_ = counting_copy
+    try:
+        shards.rehome(lambda nbytes: home)
+    finally:
+        torch.Tensor.copy_ = real_copy
+    assert copies == []  # no buffer in between: the file's bytes were read into `home` itself
+    assert shards.buffer is home and bytes(home.numpy()) == data
+
+
+def test_the_checked_file_is_read_even_if_the_directory_is_replaced_before_first_use(out3, tmp_path):
+    d = shutil.copytree(out3, tmp_path / "out")
+    rel = load_manifest(d).rank_files[0]
+    data = (d / rel).read_bytes()
+    shards = open_rank(d, 0, 3)
+    (d / rel).unlink()  # as `convert --overwrite` swaps OUT: the checked file lives on while it is open
+    (d / rel).write_bytes(bytes(len(data)))
+    assert bytes(shards.buffer.numpy()) == data
+
+
+def test_the_rank_file_is_closed_once_read_or_when_the_shards_are_dropped(out3):
+    import gc
+
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    shards = open_rank(out3, 0, 3)
+    assert open_fds() == before + 1
+    assert shards.buffer.numel() == shards.nbytes
+    assert open_fds() == before
+    shards = open_rank(out3, 0, 3)
+    del shards
+    gc.collect()
+    assert open_fds() == before
+
+
+def test_a_read_that_fails_after_the_checks_names_the_file_and_leaves_no_buffer(out3, tmp_path):
+    d = shutil.copytree(out3, tmp_path / "out")
+    path = d / load_manifest(d).rank_files[0]
+    shards = open_rank(d, 0, 3)
+    os.truncate(path, path.stat().st_size // 2)  # shrunk in place after open_rank checked it
+    with pytest.raises(IntegrityError, match=r"rank-00000-of-00003\.safetensors: truncated"):
+        shards.chunk(shards.manifest.layers[0].layer)
+    assert not shards.loaded
+    with pytest.raises(RuntimeShardError, match="rank 0's shard file could not be read"):
+        shards.chunk(shards.manifest.layers[0].layer)
 
 
 def test_host_anonymous_memory_grows_by_the_buffer_alone(checkpoint_cache, tmp_path):
@@ -165,6 +273,7 @@ def sample():
         peak[0] = max(peak[0], anon()); time.sleep(0.0005)
 t = threading.Thread(target=sample); t.start()
 shards = open_rank({str(out)!r}, 0, verify=True)
+shards.buffer  # read on first use
 stop.append(1); t.join(); peak[0] = max(peak[0], anon())
 print(json.dumps({{"growth": peak[0] - base, "buffer": shards.nbytes}}))
 """

@@ -22,7 +22,7 @@ import pytest
 import shardprep.loader.rank_shards as rank_shards
 import shardprep.manifests.swap_lock as swap_lock
 from shardprep.errors import OutputError
-from shardprep.loader import load_replicated, open_rank
+from shardprep.loader import iter_replicated, load_replicated, open_rank
 from shardprep.loader.full_targets import iter_full_targets
 from shardprep.manifests.manifest import MANIFEST_NAME, load_manifest
 from shardprep.manifests.swap_lock import reading, swap_lock_path, swapping
@@ -323,7 +323,8 @@ def test_a_reader_that_cannot_take_the_lock_reads_without_it(failure, llama, tmp
     assert entries(tmp_path) == ["out"]
 
 
-def test_open_rank_load_replicated_and_full_targets_hold_the_lock_while_they_read(llama, tmp_path, monkeypatch):
+def test_open_rank_and_the_replicated_and_full_target_readers_hold_the_lock_while_they_read(llama, tmp_path,
+                                                                                            monkeypatch):
     out = tmp_path / "out"
     convert(llama, out, 2, preset="llama")
     lock = swap_lock_path(out)
@@ -343,6 +344,12 @@ def test_open_rank_load_replicated_and_full_targets_hold_the_lock_while_they_rea
                         lambda *args, **kwargs: (seen.append(lock.exists()), real_check(*args, **kwargs))[1])
     load_replicated(out, manifest)
     assert seen[1:] and all(seen) and not lock.exists()
+    seen.clear()
+    replicated = iter_replicated(out, manifest)
+    next(replicated)
+    assert seen and all(seen) and lock.exists()  # held between two tensors
+    replicated.close()
+    assert not lock.exists()
     targets = iter_full_targets(out)
     next(targets)
     with pytest.raises(OutputError, match="this process is reading it"):  # held between two tensors

@@ -3,6 +3,6 @@
 >>> from shardprep.loader import open_rank  # doctest: +SKIP
 """
 
-from .rank_shards import RankShards, copy_through_staging, load_replicated, open_rank
+from .rank_shards import RankShards, copy_through_staging, iter_replicated, load_replicated, open_rank
 
-__all__ = ["RankShards", "copy_through_staging", "load_replicated", "open_rank"]
+__all__ = ["RankShards", "copy_through_staging", "iter_replicated", "load_replicated", "open_rank"]

@@ -39,10 +39,14 @@ class Capacity:
 
 
 def capacity(memory: MemoryAccount, kv: KvCacheShape | None, *, replicated_part_bytes: int,
-             context_len: int | None = None, hbm_bytes: int | None = None) -> Capacity:
+             context_len: int | None = None, hbm_bytes: int | None = None,
+             rank_file_bytes: int | None = None) -> Capacity:
     """Per-rank figures of a sharded layer set (see the module docstring).
 
-    startup peak (device) = R/N + slots + replicated part; the host stages through STAGING_BYTES.
+    startup peak (device) = R/N + slots + replicated part: the loader reads the rank file straight into
+    the memory it is gathered from, so R/N is never held twice; the host stages through STAGING_BYTES
+    (pinned). `rank_file_bytes`, when known (a converted directory), replaces R/N: the device buffer
+    holds the whole file, its header and the gaps between chunks included.
     KV room = HBM − what the weights take (replicated: R + replicated part), floored at 0.
 
     >>> from shardprep.manifests.accounting import account_layers
@@ -52,7 +56,8 @@ def capacity(memory: MemoryAccount, kv: KvCacheShape | None, *, replicated_part_
     (2097152, 8192, 8)
     """
     kv_tokens = kv.tokens(memory.saved_bytes) if kv else None
-    peak = memory.resident_bytes + replicated_part_bytes
+    shards = memory.local_chunk_bytes if rank_file_bytes is None else rank_file_bytes
+    peak = shards + memory.slot_bytes + replicated_part_bytes
     replicated = memory.sharded_bytes + replicated_part_bytes
     return Capacity(
         saved_bytes=memory.saved_bytes,

@@ -40,7 +40,7 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
     config = read_config(root)
     kv = kv_cache_shape(config, kv_dtype, where=str(root / "config.json")) if config else None
     cap = capacity(memory, kv, replicated_part_bytes=memory.non_target_bytes, context_len=context_len,
-                   hbm_bytes=hbm_bytes)
+                   hbm_bytes=hbm_bytes, rank_file_bytes=m.rank_file_bytes)
     return {
         "schema": SCHEMA,
         "directory": str(root),

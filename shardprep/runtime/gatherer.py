@@ -166,7 +166,8 @@ class LayerGatherer:
         s = self.num_slots = min(num_slots, n)
         mapped = self._map_own_chunks(zero_copy, rank)
         if mapped is None:
-            if not self.backend.owns(shards.buffer):
+            # Unread shards are read straight into the backend's memory; loaded ones are moved only if they must be.
+            if not shards.loaded or not self.backend.owns(shards.buffer):
                 shards.rehome(self.backend.allocate_local)
             memories: tuple[torch.Tensor, ...] = tuple(self.backend.allocate_slot(manifest.max_total_bytes)
                                                       for _ in range(s))
@@ -472,8 +473,9 @@ class LayerGatherer:
         return self._phase
 
     def _map_own_chunks(self, requested: bool | None, rank: int) -> zc.ZeroCopyMemory | None:
-        """Zero-copy memory with the shards moved into it, if it works here (else None, said in one
-        log line); sets zero_copy and zero_copy_reason. Collective on CUDA: the ranks agree."""
+        """Zero-copy memory with the shards in it, if it works here (else None, said in one log line);
+        sets zero_copy and zero_copy_reason. Collective on CUDA: the ranks agree. Shards that open_rank
+        left unread are read from the file straight into the chunks' allocations (no second copy of R/N)."""
         from . import vmm
 
         manifest, shards = self.shards.manifest, self.shards
@@ -484,7 +486,7 @@ class LayerGatherer:
         if requested is not False and reason is None:
             try:
                 built = zc.build(manifest, rank, self.device, self.num_slots, self.backend.shares_local)
-                shards.rehome(lambda nbytes: built.shard_buffer)  # one copy, at startup
+                shards.rehome(lambda nbytes: built.shard_buffer)  # read into place, or one copy if loaded
                 mem = built
                 reason = zc.own_chunks_alias(mem, manifest, rank, shards.buffer)
             except vmm.VmmError as exc:

@@ -204,7 +204,8 @@ def build(manifest: Manifest, rank: int, device: torch.device, num_slots: int, s
 
     `shareable`: the shard buffer's allocations can be exported to peer processes (ce reads them).
     Every allocation is mapped whole; handles are released once mapped, so the memory lives as long
-    as the tensors that map it.
+    as the tensors that map it. `rehome` then reads shards that open_rank left unread straight from
+    the rank file into the shard buffer, so the chunks' allocations are the only copy of R/N.
 
     >>> mem = build(shards.manifest, shards.rank, torch.device("cuda", 0), 2, shareable=True)  # doctest: +SKIP
     >>> shards.rehome(lambda nbytes: mem.shard_buffer)  # doctest: +SKIP
@@ -224,8 +225,10 @@ def build(manifest: Manifest, rank: int, device: torch.device, num_slots: int, s
         units = [[new(plan.unit) for _ in range(plan.units_per_slot)] for _ in range(slots)]
         shard_buffer = vmm.map_pieces([vmm.Piece(m.at, pieces[m.source, m.index]) for m in plan.shard],
                                       manifest.rank_file_bytes, device)
+        # One rank: each view is its own chunk alone and a slot holds nothing (the driver maps no empty range).
         slot_views = tuple(vmm.map_pieces([vmm.Piece(k * plan.unit, u) for k, u in enumerate(slot_units)],
-                                          plan.slot_bytes, device) for slot_units in units)
+                                          plan.slot_bytes, device) if plan.slot_bytes
+                           else torch.empty(0, dtype=torch.uint8, device=device) for slot_units in units)
         views = tuple(vmm.map_pieces([vmm.Piece(m.at, units[i % slots][m.index] if m.source == "unit"
                                                 else pieces["chunk", i]) for m in mappings],
                                      record.total_bytes, device)
@@ -237,16 +240,30 @@ def build(manifest: Manifest, rank: int, device: torch.device, num_slots: int, s
 
 
 def own_chunks_alias(mem: ZeroCopyMemory, manifest: Manifest, rank: int, shard_buffer: torch.Tensor) -> str | None:
-    """Check once that each view's own-chunk part shows the shard buffer's bytes; None, or what differs.
+    """Check once that each view's own-chunk part is the shard buffer's chunk; None, or what differs.
+
+    Asked of the driver: the first and the last byte of both are backed by the same physical
+    allocation (cuMemRetainAllocationHandle), and every mapping maps an allocation whole from its first
+    byte, so the two ranges are the same memory. Nothing is read or allocated on the device (comparing
+    the bytes took a temporary of one chunk and a read of R/N).
 
     >>> own_chunks_alias(mem, shards.manifest, shards.rank, shards.buffer)  # doctest: +SKIP
     """
+    from . import vmm
+
+    device = shard_buffer.device
     for view, record in zip(mem.views, manifest.layers):
         c = record.chunk_bytes
-        own = view[rank * c:(rank + 1) * c]
-        chunk = shard_buffer[record.file_offset:record.file_offset + c]
-        if not torch.equal(own, chunk):
-            return f"layer {record.layer}'s view does not show the shard buffer's chunk"
+        own, chunk = view.data_ptr() + rank * c, shard_buffer.data_ptr() + record.file_offset
+        for at in (0, c - 1):
+            a, b = vmm.retain(own + at, device), vmm.retain(chunk + at, device)
+            try:
+                same = int(a.handle) == int(b.handle)
+            finally:
+                a.release()
+                b.release()
+            if not same:
+                return f"layer {record.layer}'s view does not map the shard buffer's chunk"
     return None
 
 

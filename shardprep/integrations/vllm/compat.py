@@ -6,6 +6,9 @@
   the MoE layers call on every forward once DP > 1; `install_cpu_dp_collectives` adds them.
 - The CPU backend's linear layers: after loading it repacks each weight for its own GEMM and drops
   `.weight`; a layer whose weight is swapped in per forward must keep the plain `F.linear` path.
+- Building the model: linear layers create their weights in `quant_method.create_weights` while the
+  model's constructor runs (`BaseModelLoader.create_model`); `target_weights_without_storage` makes
+  the targets' weights there without storage.
 
 Nothing else in shardprep imports vLLM's internals.
 """
@@ -13,6 +16,8 @@ Nothing else in shardprep imports vLLM's internals.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +138,50 @@ def keep_plain_linear(module: nn.Module) -> None:
     # vLLM's CPU linear method skips its repacking GEMM dispatch for layers that set this flag (it was
     # made for MLA's kv_b_proj) and calls torch.nn.functional.linear on `.weight` instead.
     module._cpu_skip_gemm_dispatch = True  # type: ignore[assignment]
+
+
+@contextmanager
+def target_weights_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[tuple[str, nn.Parameter]]]:
+    """While vLLM builds a model inside this block, give the weight of every unquantized linear layer whose
+    parameter name `is_target` accepts no storage: its shape, dtype, device and vLLM attributes, and one element.
+
+    Yields the (name, parameter) pairs made so, for the caller to check that `bind` bound each. vLLM 0.32
+    creates a linear layer's weight in `UnquantizedLinearMethod.create_weights(layer, ...)`, after
+    `LinearBase.__init__` has set `layer.prefix` (the module's name in the model); that method is
+    wrapped for the duration of the block. It runs on the `meta` device (nothing is allocated), and the
+    weight is then swapped for a zero-stride view of one element on vLLM's device, keeping vLLM's
+    parameter class and attributes as vLLM's own `materialize_meta_tensor` does: a `meta` parameter
+    could not be pointed at device memory later (`param.data = ...` refuses to change the tensor
+    type), which is what `bind` does. Quantized targets are built as vLLM builds them (sharded mode
+    refuses them later, in `keep_plain_linear`).
+
+    >>> with target_weights_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
+    ...     model = initialize_model(vllm_config=vllm_config)
+    """
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    made: list[tuple[str, nn.Parameter]] = []
+    original = UnquantizedLinearMethod.create_weights
+
+    def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        name = f"{getattr(layer, 'prefix', '')}.weight"
+        if not is_target(name):
+            return original(method, layer, *args, **kwargs)
+        with torch.device("meta"):  # inside vLLM's `with target_device:`, the innermost device context wins
+            result = original(method, layer, *args, **kwargs)
+        built: Any = layer.weight
+        hole = torch.zeros(1, dtype=built.dtype).expand(built.shape)  # on vLLM's device (its context)
+        weight = nn.Parameter(hole, requires_grad=False)
+        weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
+        layer.register_parameter("weight", weight)
+        made.append((name, weight))
+        return result
+
+    UnquantizedLinearMethod.create_weights = create_weights
+    try:
+        yield made
+    finally:
+        UnquantizedLinearMethod.create_weights = original
 
 
 def logger() -> logging.Logger:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
-from vllm.config import ModelConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from ...manifests.manifest import load_manifest
+from ...errors import ShardprepError
+from ...manifests.manifest import Manifest, load_manifest
 from ...runtime.binding import Binding
 from . import compat
 from .full_mode import load_full
@@ -21,6 +24,8 @@ class ShardprepModelLoader(BaseModelLoader):
     vLLM builds the model and post-processes its weights as for any checkpoint; this loader supplies the
     weights: all of them rebuilt from the rank files (full mode), or only the non-targets, the targets
     bound to this DP rank's gatherer (sharded mode, `model_loader_extra_config={"shard_weights": true}`).
+    In sharded mode the model is built with its targets' weights without storage (shape, dtype and device,
+    one element), so no rank ever allocates the full targets; `bind` then gives them their gathered views.
 
     >>> LLM(model="out/", load_format="shardprep")  # doctest: +SKIP
     """
@@ -29,9 +34,18 @@ class ShardprepModelLoader(BaseModelLoader):
         super().__init__(load_config)
         self.options = ShardprepLoadOptions.from_extra_config(load_config.model_loader_extra_config)
         self.binding: Binding | None = None
+        self._without_storage: list[tuple[str, nn.Parameter]] = []
 
     def download_model(self, model_config: ModelConfig) -> None:
         load_manifest(model_config.model)  # nothing to download: a local output directory, or a clear refusal
+
+    def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        if not self.options.shard_weights:
+            return super().create_model(vllm_config, model_config, prefix)
+        with compat.target_weights_without_storage(bound_later(load_manifest(model_config.model))) as made:
+            model = super().create_model(vllm_config, model_config, prefix)
+        self._without_storage = made
+        return model
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         directory = model_config.model
@@ -42,4 +56,33 @@ class ShardprepModelLoader(BaseModelLoader):
             load_full(model, directory, self.options.verify)
             return
         self.binding = load_sharded(model, directory, layout, compat.keep_plain_linear, self.options.verify)
+        bound = {id(param) for param in self.binding.target_parameters.values()}
+        unbound = [name for name, param in self._without_storage if id(param) not in bound]
+        if unbound:
+            raise ShardprepError(f"{unbound[0]!r} was built without storage as a target of {directory}, but no "
+                                 "manifest tensor was bound to it; was the directory converted from this model?")
         compat.logger().info(startup_line(self.binding, directory))
+
+
+def bound_later(manifest: Manifest) -> Callable[[str], bool]:
+    """Whether a model parameter name is one `bind` will bind: a target or fused view of the manifest, matched
+    as `bind` matches it, by layer index and the name inside the layer (`model.layers.3.self_attn.o_proj.weight`
+    → (3, `self_attn.o_proj.weight`)), whatever the model calls its layer list.
+
+    >>> is_target = bound_later(load_manifest("out/"))  # doctest: +SKIP
+    >>> model_name_is_target = is_target("model.layers.1.self_attn.qkv_proj.weight")  # doctest: +SKIP
+    """
+    inside = {_inside_layer(name, r.layer) for r in manifest.layers
+              for name in [*(e.name for e in r.entries), *(v.name for v in r.views)]}
+
+    def is_target(name: str) -> bool:
+        parts = name.split(".")
+        return any(p.isdigit() and (int(p), ".".join(parts[k + 1:])) in inside for k, p in enumerate(parts) if k)
+
+    return is_target
+
+
+def _inside_layer(name: str, layer: int) -> tuple[int, str]:
+    parts = name.split(".")
+    k = next(k for k, p in enumerate(parts[:-1]) if k and p == str(layer))
+    return layer, ".".join(parts[k + 1:])

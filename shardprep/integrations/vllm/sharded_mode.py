@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ...errors import ShardprepError
-from ...loader.rank_shards import open_rank
+from ...loader.rank_shards import iter_replicated, open_rank
 from ...manifests.accounting import account
 from ...manifests.manifest import Manifest, load_manifest
 from ...runtime.binding import Binding, bind
@@ -83,7 +83,9 @@ def load_sharded(
     for module in model.modules():
         if any(id(p) in bound for p in module.parameters(recurse=False)):
             keep_plain_linear(module)
-    loaded = model.load_weights(shards.load_replicated(layout.device, verify=verify).items())  # type: ignore[operator]
+    # One tensor at a time, file-backed on the host, as vLLM's own loader hands them: each is copied into its
+    # parameter, so the replicated part is never held twice.
+    loaded = model.load_weights(iter_replicated(directory, manifest, "cpu", verify))  # type: ignore[operator]
     check_all_loaded(model, loaded, directory, also=_names_of(model, bound))
     return binding
 
