@@ -89,6 +89,13 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
     tensors: dict[str, TensorInfo] = {}
     for name, info in header.items():
         tensors[name] = _tensor_info(name, info, where)
+    # Before holes and overlaps: a tensor moved past the end leaves a hole that a neighbour would be blamed for.
+    past = [t for t in tensors.values() if t.end > data_size]
+    if past:
+        t = min(past, key=lambda t: (t.begin, t.end))  # of a truncated file, the first tensor cut off
+        raise _invalid(where, f"truncated file or corrupt header: tensor {quoted(t.name)} has data_offsets "
+                       f"[{t.begin}, {t.end}) past the end of the file (its data region holds {max(data_size, 0)} "
+                       "bytes)", tensor=t.name)
     at = 0
     for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
         if t.begin != at:
@@ -96,8 +103,6 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
             raise _invalid(where, f"tensor {quoted(t.name)} {gap} (safetensors refuses holes and overlaps)",
                            tensor=t.name)
         at = t.end
-    if at > data_size:
-        raise _invalid(where, f"truncated file: its tensors need {data_start + at} bytes, the file has {file_size}")
     if at < data_size:
         raise _invalid(where, f"{data_size - at} bytes after the last tensor (safetensors refuses trailing bytes)")
     return SafetensorsHeader(tensors, metadata, data_start, file_size)

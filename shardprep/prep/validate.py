@@ -23,6 +23,7 @@ from ..manifests.paths import files_under, resolve_inside
 from ..manifests.problems import Problem, quoted
 from ..manifests.replicated import NOTICE_TENSOR, ReplicatedIndex, check_replicated_file, read_replicated_index
 from ..manifests.safetensors_header import SafetensorsHeader, read_safetensors_header
+from ..manifests.swap_lock import reads_output
 from .output_dir import is_staging_dir
 from .source import SourceCheckpoint, open_source
 
@@ -70,6 +71,7 @@ class ValidationReport:
         }
 
 
+@reads_output  # the old output or the new one, never half of each, while --overwrite replaces it
 def validate(directory: str | Path, source: str | Path | None = None,
              revision: str | None = None) -> ValidationReport:
     """Check every invariant and every byte of an output directory; with `source`, compare every target
