@@ -51,7 +51,7 @@ UNSEALED = "0" * 32
 __all__ = ["FORMAT", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "MAX_WORLD_SIZE", "READABLE_VERSIONS",
            "REPLICATED_INDEX", "SELF_DIGEST_KEY", "VERSION", "FileRecord", "LayerRecord", "Manifest",
            "check_invariants", "check_seal", "is_safe_relpath", "load_manifest", "manifest_schema", "rank_file_name",
-           "read_manifest_file", "seal"]
+           "read_manifest_at", "read_manifest_file", "seal"]
 
 
 @dataclass(frozen=True)
@@ -660,14 +660,26 @@ def read_manifest_file(directory: str | Path, *, check: bool = True) -> tuple[Ma
     With `check` (what loaders use) a failed self-checksum is a ManifestError; `validate` passes
     `check=False` to report it next to every other problem.
     """
-    path = Path(directory) / MANIFEST_NAME
+    return read_manifest_at(Path(directory) / MANIFEST_NAME, check=check,
+                            missing=f"is {directory} an output directory of `shardprep convert`?")
+
+
+def read_manifest_at(path: str | Path, *, check: bool = True,
+                     missing: str = "give a manifest file, or the directory that holds shard_manifest.json"
+                     ) -> tuple[Manifest, str | None]:
+    """`read_manifest_file` for a manifest file of any name, anywhere (a CI repository's copy, say).
+
+    `missing` ends the message when there is no file at `path`.
+
+    >>> manifest, unsealed = read_manifest_at("deploy/llama-70b/shard_manifest.json")  # doctest: +SKIP
+    """
+    path = Path(path)
     try:
         raw = read_capped(path, max_bytes=MAX_MANIFEST_BYTES, what="manifest")
         data = parse_json(raw, str(path))
     except IntegrityError as exc:
         if exc.code == "missing_file":
-            raise ManifestError(f"{path}: not found; is {directory} an output directory of `shardprep convert`?",
-                                code="manifest_missing") from None
+            raise ManifestError(f"{path}: not found; {missing}", code="manifest_missing") from None
         raise ManifestError(str(exc), code="manifest_unreadable") from None
     manifest = Manifest.from_dict(data, where=str(path), check=check)
     unsealed = check_seal(raw, data) if manifest.version >= 2 else None
