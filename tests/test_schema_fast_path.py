@@ -39,7 +39,8 @@ def validator_of(version: int, kind: str) -> Any:
         return strict_validator({"$defs": schema["$defs"],
                                  **schema["properties"]["source"]["properties"]["files"]["items"]})
     if kind == "checksum":
-        return strict_validator({"$defs": schema["$defs"], **schema["$defs"]["layer"]["properties"]["checksums"]["items"]})
+        checksums = schema["$defs"]["layer"]["properties"]["checksums"]
+        return strict_validator({"$defs": schema["$defs"], **checksums["items"]})
     return strict_validator({"$defs": schema["$defs"], "$ref": f"#/$defs/{kind}"})
 
 

@@ -349,7 +349,7 @@ def _validate_schema(data: Any, where: str) -> int:
         raise ManifestError(f"{where}: manifest version {quoted(version)} is not supported (this shardprep reads "
                             f"versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade shardprep or re-run "
                             "convert", code="manifest_version")
-    schema_version = version if readable else VERSION
+    schema_version = version if readable and isinstance(version, int) else VERSION
     try:
         validator = _validator(schema_version)
         error = jsonschema.exceptions.best_match(validator.iter_errors(_for_schema(data, schema_version)))
