@@ -432,6 +432,7 @@ class _ItemRules:
     closed: bool
 
     def entry(self, e: Any) -> bool:
+        # Written out, not shared with `view`: this runs once per entry, and a call costs as much as a check.
         if type(e) is not dict or (self.closed and len(e) != 5):
             return False
         try:
