@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 def validate_command(
     paths: Annotated[list[Path], typer.Argument(
-        metavar="OUT", help="Output directory of `shardprep convert`; with --manifest-only, manifest files or "
-                            "directories holding one (several allowed).")],
+        metavar="PATH", help="Output directory of `shardprep convert`; with --manifest-only, manifest files "
+                             "or directories holding one (several allowed).")],
     manifest_only: Annotated[bool, typer.Option(
         "--manifest-only", help="Check the manifest alone (no weight bytes): schema, its own checksum, layout, "
                                 "the rank header it implies, names and paths; with --source, against the "
@@ -31,7 +31,8 @@ def validate_command(
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable report (a list of them "
                                                           "for several paths).")] = False,
 ) -> None:
-    """Check a converted directory: schema, layout invariants, file sizes, headers, padding, every checksum."""
+    """Check a converted directory: schema, layout invariants, file sizes, headers, padding, every checksum;
+    or, with --manifest-only, manifests alone (no weight bytes)."""
     if len(paths) > 1 and not manifest_only:
         typer.echo("error: give one OUT directory (several paths are for --manifest-only)", err=True)
         raise typer.Exit(EXIT_ERROR)
