@@ -432,7 +432,8 @@ class _ItemRules:
     closed: bool
 
     def entry(self, e: Any) -> bool:
-        # Written out, not shared with `view`: this runs once per entry, and a call costs as much as a check.
+        # Written out, not shared with `view`: this runs once per entry, and a call (or a generator, in all())
+        # costs more than the checks themselves.
         if type(e) is not dict or (self.closed and len(e) != 5):
             return False
         try:
@@ -440,10 +441,14 @@ class _ItemRules:
         except KeyError:
             return False
         top = self.max_bytes
-        return (type(name) is str and 0 < len(name) <= self.max_name and type(dtype) is str and dtype in self.dtypes
+        if not (type(name) is str and 0 < len(name) <= self.max_name and type(dtype) is str and dtype in self.dtypes
                 and type(offset) is int and 0 <= offset <= top and type(nbytes) is int and 0 <= nbytes <= top
-                and type(shape) is list and len(shape) <= self.max_dims
-                and all(type(d) is int and 0 <= d <= top for d in shape))
+                and type(shape) is list and len(shape) <= self.max_dims):
+            return False
+        for d in shape:
+            if type(d) is not int or not 0 <= d <= top:
+                return False
+        return True
 
     def view(self, v: Any) -> bool:
         if type(v) is not dict or (self.closed and len(v) != 5):
@@ -453,12 +458,17 @@ class _ItemRules:
         except KeyError:
             return False
         top, longest = self.max_bytes, self.max_name
-        return (type(name) is str and 0 < len(name) <= longest and type(dtype) is str and dtype in self.dtypes
-                and type(offset) is int and 0 <= offset <= top
-                and type(shape) is list and len(shape) <= self.max_dims
-                and all(type(d) is int and 0 <= d <= top for d in shape)
-                and type(members) is list and len(members) >= 2
-                and all(type(m) is str and 0 < len(m) <= longest for m in members))
+        if not (type(name) is str and 0 < len(name) <= longest and type(dtype) is str and dtype in self.dtypes
+                and type(offset) is int and 0 <= offset <= top and type(shape) is list and len(shape) <= self.max_dims
+                and type(members) is list and len(members) >= 2):
+            return False
+        for d in shape:
+            if type(d) is not int or not 0 <= d <= top:
+                return False
+        for m in members:
+            if type(m) is not str or not 0 < len(m) <= longest:
+                return False
+        return True
 
     def layer_fields(self, r: dict[str, Any]) -> bool:
         """Every field of a layer but its lists' items (`_cut_layer` checks those)."""

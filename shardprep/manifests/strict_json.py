@@ -149,27 +149,30 @@ def _check_values(data: Any, *, strings: bool) -> None:
     Iterative, so checking a deep document cannot itself recurse. The types are json.loads's exactly, and a
     `type() is` test costs half an isinstance, on every value of the document.
     """
-    stack = [(data, 1)] if type(data) in (dict, list) else []
-    if not stack:
+    level = [data] if type(data) in (dict, list) else []
+    if not level:
         _check_scalar(data, strings)
-    while stack:
-        item, depth = stack.pop()
+    depth = 1
+    while level:  # one depth at a time: the containers at `depth`
         if depth > MAX_DEPTH:
             raise RecursionError
-        if type(item) is dict:
-            if strings:
-                for key in item:
-                    key.encode("utf-8")
-            item = item.values()
-        for value in item:
-            kind = type(value)
-            if kind is dict or kind is list:
-                stack.append((value, depth + 1))
-            elif kind is int:
-                if not -_INT_BOUND < value < _INT_BOUND:
-                    _check_scalar(value, strings)
-            elif strings and kind is str:
-                value.encode("utf-8")
+        deeper = []
+        for item in level:
+            if type(item) is dict:
+                if strings:
+                    for key in item:
+                        key.encode("utf-8")
+                item = item.values()
+            for value in item:
+                kind = type(value)
+                if kind is dict or kind is list:
+                    deeper.append(value)
+                elif kind is int:
+                    if not -_INT_BOUND < value < _INT_BOUND:
+                        _check_scalar(value, strings)
+                elif strings and kind is str:
+                    value.encode("utf-8")
+        level, depth = deeper, depth + 1
 
 
 def _check_scalar(value: Any, strings: bool) -> None:
