@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import IntegrityError, ManifestError
-from .checksums import digest
+from .checksums import digest, joined_digest
 from .dtypes import tensor_nbytes
 from .exact_read import pread_exact
 from .layout import (
@@ -294,7 +294,8 @@ def check_seal(raw: bytes, data: Any) -> str | None:
 
 def _self_digest(raw: bytes, a: int, b: int) -> str:
     # The checksum of the text with its own digest, at raw[a:b], written as zeros.
-    return digest(raw[:a] + UNSEALED.encode() + raw[b:])
+    view = memoryview(raw)
+    return joined_digest((view[:a], UNSEALED.encode(), view[b:]))
 
 
 def _seal_spans(raw: bytes) -> list[tuple[int, int]]:
