@@ -5,8 +5,10 @@
 Two synthetic manifests of `--layers` × `--targets` entries (default 100 × 100 = 10,000) are written
 through shardprep's own code (`plan_layer`, `plan_rank_file`, `Manifest`, the writer's `write_manifest`,
 which seals them): MoE-shaped layers of bf16 attention projections (q/k/v fused as qkv_proj) and routed
-experts (gate/up fused per expert), with per-chunk XXH3-128 digests of synthetic bytes, so that the
-checksums look like real ones. A is for 8 ranks, B for 16 ranks with other sizes and names.
+experts selected by glob (`--target '*.experts.*'`: no preset fuses them; `--fused-experts` fuses each
+expert's gate/up as well, 33 views per layer instead of 1), a source of 163 files, and per-chunk
+XXH3-128 digests of synthetic bytes, so that the checksums look like real ones. A is for 8 ranks, B for
+16 ranks with other sizes and names.
 
 Each run starts a fresh Python process per checkout and times (wall, and the process's CPU time, which a
 shared machine's other load disturbs less), from inside it:
@@ -61,7 +63,7 @@ def write(out, layers, targets, ranks, hidden, inter, prefix):
         groups = [FusedGroup(f"{{p}}.self_attn.qkv_proj.weight", qkv)]
         groups += [FusedGroup(f"{{p}}.mlp.experts.{{e}}.gate_up_proj.weight",
                               (f"{{p}}.mlp.experts.{{e}}.gate_proj.weight", f"{{p}}.mlp.experts.{{e}}.up_proj.weight"))
-                   for e in range(experts)]
+                   for e in range(experts) if {fused_experts}]
         layouts.append(plan_layer(layer, attn + mlp, ranks, groups))
     offsets, _ = plan_rank_file([(lay.layer, lay.chunk_bytes) for lay in layouts], ranks, 4096)
     records = tuple(LayerRecord.from_layout(lay, off, tuple(digest(f"{{prefix}} {{lay.layer}} {{r}}".encode())
@@ -134,6 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=100)
     ap.add_argument("--targets", type=int, default=100, help="entries per layer (4 attention + experts × 3)")
+    ap.add_argument("--fused-experts", action="store_true", help="fuse each expert's gate/up (a view each)")
     ap.add_argument("--runs", type=int, default=5, help="fresh processes per checkout; medians are reported")
     ap.add_argument("--repeat", type=int, default=9, help="later calls per manifest in each process")
     ap.add_argument("--baseline", type=Path, default=None, help="another shardprep checkout to compare with")
@@ -144,7 +147,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-manifest-") as scratch:
         a, b = Path(scratch) / "a", Path(scratch) / "b"
-        code = WRITE.format(repo=str(REPO), a=str(a), b=str(b), layers=args.layers, targets=args.targets)
+        code = WRITE.format(repo=str(REPO), a=str(a), b=str(b), layers=args.layers, targets=args.targets,
+                            fused_experts=args.fused_experts)
         entries = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                  env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.split()
         sizes = [(p / "shard_manifest.json").stat().st_size for p in (a, b)]
@@ -168,7 +172,10 @@ def main() -> None:
         "runs": runs,
         "cli_manifest_only": [{"wall": w, "cpu": c} for w, c in cli],
     }
-    print(f"manifests: {entries[0]} and {entries[1]} entries, {sizes[0] / 1e6:.1f} and {sizes[1] / 1e6:.1f} MB; "
+    views = 1 + ((args.targets - 4) // 3 if args.fused_experts else 0)
+    result["fused_views_per_layer"] = views
+    print(f"manifests: {entries[0]} and {entries[1]} entries ({views} fused views per layer), {sizes[0] / 1e6:.1f} "
+          f"and {sizes[1] / 1e6:.1f} MB; "
           f"{args.runs} fresh processes per checkout, {args.repeat} later calls each; medians, wall s (CPU s)")
     print("| checkout | import | first call | later, same manifest | later, another manifest |")
     print("|---|---|---|---|---|")
