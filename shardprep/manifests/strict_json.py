@@ -144,7 +144,7 @@ def is_str_dict(value: object) -> bool:
 
 def _check_values(data: Any, *, strings: bool) -> None:
     """Refuse nesting deeper than MAX_DEPTH, integers of more than MAX_INT_DIGITS digits and, with `strings`,
-    lone surrogates ("\ud800" parses to one, and no file name or message can be encoded with it).
+    lone surrogates (the escape \\ud800 parses to one, and no file name or message can be encoded with it).
 
     Iterative, so checking a deep document cannot itself recurse. The types are json.loads's exactly, and a
     `type() is` test costs half an isinstance, on every value of the document.
