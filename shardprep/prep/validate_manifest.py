@@ -103,7 +103,7 @@ def _check_against_headers(m: Manifest, name: str, ckpt: SourceCheckpoint, repor
                 how = (f", which convert writes as {want.dtype}{list(want.shape)} (the requantization the "
                        "manifest records)") if e.name in rewritten else ""
                 report.add(Problem("tensor_mismatch", f"tensor {quoted(e.name)}: manifest says {e.dtype}"
-                                   f"{list(e.shape)} ({e.nbytes} bytes), the source's header {t.dtype}"
+                                   f"{list(e.shape)} ({e.nbytes} bytes), the source's header has {t.dtype}"
                                    f"{list(t.shape)} ({t.nbytes} bytes){how}", layer=r.layer, tensor=e.name))
     _check_selection(m, name, ckpt, report)
 
