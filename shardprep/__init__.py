@@ -1,7 +1,8 @@
 """shardprep: pre-shard the weights every GPU would otherwise replicate, and gather them back layer by layer.
 
 Offline (`shardprep.prep`, no torch needed): `convert` a HF safetensors checkpoint into per-rank flat
-chunks plus a manifest, `validate` and `inspect` the result, `reshard` it for another number of ranks.
+chunks plus a manifest, `validate` and `inspect` the result, `reshard` it for another number of ranks,
+`export` it as a plain HF checkpoint.
 Startup (`shardprep.loader`): `open_rank` maps one rank's file into one device buffer. Runtime
 (`shardprep.runtime`): `LayerGatherer` rebuilds each layer's weights with one AllGather, one layer
 ahead; `bind` points a model at them.
@@ -16,6 +17,7 @@ from .errors import ShardprepError
 
 if TYPE_CHECKING:
     from .prep.convert import ConvertSummary, convert
+    from .prep.export import ExportSummary, export
     from .prep.inspect import inspect
     from .prep.requant_jobs import RequantOptions
     from .prep.reshard import ReshardSummary, reshard
@@ -30,6 +32,8 @@ _LAZY = {
     "RequantOptions": ("shardprep.prep.requant_jobs", "RequantOptions"),
     "reshard": ("shardprep.prep.reshard", "reshard"),
     "ReshardSummary": ("shardprep.prep.reshard", "ReshardSummary"),
+    "export": ("shardprep.prep.export", "export"),
+    "ExportSummary": ("shardprep.prep.export", "ExportSummary"),
 }
 
 
@@ -43,5 +47,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'shardprep' has no attribute {name!r}")
 
 
-__all__ = ["ConvertSummary", "RequantOptions", "ReshardSummary", "ShardprepError", "ValidationReport", "__version__",
-           "convert", "inspect", "reshard", "validate"]
+__all__ = ["ConvertSummary", "ExportSummary", "RequantOptions", "ReshardSummary", "ShardprepError", "ValidationReport",
+           "__version__", "convert", "export", "inspect", "reshard", "validate"]

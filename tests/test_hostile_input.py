@@ -330,7 +330,8 @@ def test_hostile_source_file_makes_convert_exit_2_with_one_line(src, tmp_path, c
     (b'{"a": {"dtype": 7, "shape": [1], "data_offsets": [0, 4]}}', "unsupported dtype"),
     (b'{"__metadata__": {"format": 1}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
      "__metadata__ must map strings to strings"),
-    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', "leaves a hole"),
+    (b'{"a": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}}', "leaves a hole"),
+    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', "'a' has data_offsets .4, 8. past the end"),
     (b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 4]}}', "not JSON"),
     (b'{"a": ' + b"[" * 30000 + b"]" * 30000 + b"}", "not JSON"),
 ])
@@ -340,6 +341,37 @@ def test_hostile_safetensors_header_is_one_error_naming_the_file(tmp_path, heade
     with pytest.raises(ShardprepError, match=fragment) as exc:
         read_safetensors_header(path)
     assert str(exc.value).startswith(str(path)) and "\n" not in str(exc.value)
+
+
+def move_past_the_end(path: Path) -> str:
+    """Shift the data_offsets of a middle tensor of a source safetensors file past the file's end (its dtype and
+    shape kept), which also leaves a hole where it was; returns its name."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    tensors = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    name = tensors[len(tensors) // 2]
+    begin, end = header[name]["data_offsets"]
+    data_size = len(raw) - 8 - n
+    header[name]["data_offsets"] = [data_size, data_size + end - begin]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (n - len(text))  # the same header length, so every other offset stays valid
+    assert len(text) == n
+    path.write_bytes(raw[:8] + text + raw[8 + n:])
+    return name
+
+
+def test_a_tensor_past_the_end_of_its_file_is_named_not_its_neighbour(src, tmp_path):
+    path = sorted(src.glob("model-*.safetensors"))[0]
+    name = move_past_the_end(path)
+    with pytest.raises(ShardprepError, match="past the end of the file") as exc:
+        read_safetensors_header(path)
+    assert str(exc.value).startswith(f"{path}: truncated file or corrupt header: tensor '{name}' has data_offsets [")
+    assert "hole" not in str(exc.value)
+    assert exc.value.tensor == name
+    result = runner.invoke(app, ["convert", str(src), str(tmp_path / "out"), "--ranks", "2", "--preset", "llama"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert f"tensor '{name}' has data_offsets [" in result.stderr and "hole" not in result.stderr
 
 
 def test_hostile_preset_file_is_a_selection_error(tmp_path):

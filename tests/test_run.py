@@ -161,7 +161,7 @@ def groups_case(checkpoint_cache, tmp_path_factory):
     return src, out, transformers_outputs(src, GROUP_PROMPTS, causal=True)
 
 
-def check_groups_run(summary, saved, out, want, nodes):
+def check_groups_run(summary, saved, src, out, want, nodes):
     """Bit-identical to transformers for every prompt; every rank in its group, gathering inside it."""
     assert (summary["world_size"], summary["group_size"]) == (4, 2)
     assert [r["rank"] for r in summary["prompts"]] == [i % 4 for i in range(len(GROUP_PROMPTS))]
@@ -178,7 +178,7 @@ def check_groups_run(summary, saved, out, want, nodes):
         busiest = 2 if rank < 2 else 1  # prompts of the busiest rank of its group
         assert m["forwards"] + m["idle_steps"] == per_prompt * busiest
         assert m["gathers"] == layers * per_prompt * busiest
-    check_memory(summary, out)
+    check_memory(summary, out, replicated_parameter_bytes(src, out, causal=True))
 
 
 def test_four_ranks_in_two_shard_groups_on_one_node_match_transformers(groups_case, tmp_path):
@@ -186,7 +186,7 @@ def test_four_ranks_in_two_shard_groups_on_one_node_match_transformers(groups_ca
     saved = tmp_path / "outputs.pt"
     summary = shardprep_run(out, 4, "--shard-group-size", 2, "--max-new-tokens", K, "--save-outputs", saved,
                             *[a for p in GROUP_PROMPTS for a in ("--prompt", p)])
-    check_groups_run(summary, saved, out, want, nodes=[0, 0, 0, 0])
+    check_groups_run(summary, saved, src, out, want, nodes=[0, 0, 0, 0])
 
 
 def node_command(launcher, out, node_rank, port, saved):
@@ -225,7 +225,7 @@ def test_two_nodes_of_two_ranks_each_with_its_own_copy_match_transformers(groups
         assert p.returncode == 0, err[-3000:]
     assert not outputs[1][0].strip()  # rank 0, on node 0, reports for everyone
     summary = json.loads(outputs[0][0].strip().splitlines()[-1])
-    check_groups_run(summary, saved, tmp_path / "node0" / "out", want, nodes=[0, 0, 1, 1])
+    check_groups_run(summary, saved, src, tmp_path / "node0" / "out", want, nodes=[0, 0, 1, 1])
 
 
 def test_run_refuses_a_shard_group_that_would_span_nodes(llama_n2):

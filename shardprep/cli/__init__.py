@@ -9,6 +9,7 @@ import typer
 
 from .._version import __version__
 from .convert import convert_command
+from .export import export_command
 from .inspect import inspect_command
 from .plan import plan_command
 from .presets import presets_command
@@ -44,6 +45,7 @@ def _root(
 
 app.command("convert")(convert_command)
 app.command("reshard")(reshard_command)
+app.command("export")(export_command)
 app.command("validate")(validate_command)
 app.command("inspect")(inspect_command)
 app.command("presets")(presets_command)

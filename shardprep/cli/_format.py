@@ -93,6 +93,15 @@ def rank_files_phrase(summary: Any) -> str:
             f"{human_bytes(summary.alignment_padding_bytes)} of alignment padding per rank)")
 
 
+def not_carried_phrase(summary: Any) -> str:
+    """"; not carried over, as OUT's manifest does not list them: a, b" of a reshard or export summary, or ""."""
+    unlisted = summary.unlisted_files
+    if not unlisted:
+        return ""
+    more = f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else ""
+    return f"; not carried over, as {summary.out}'s manifest does not list them: {', '.join(unlisted[:5])}{more}"
+
+
 def capacity_rows(totals: dict[str, Any], capacity: dict[str, Any], kv: dict[str, Any] | None) -> list[tuple[str, str]]:
     """The per-rank memory and KV-cache lines `plan` and `inspect` both print, as (label, value)."""
     n = totals["world_size"]

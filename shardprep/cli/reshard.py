@@ -9,7 +9,7 @@ import typer
 
 from ..prep.convert import CopyMode
 from ._errors import cli_errors, stop_signals_interrupt
-from ._format import ChunkAlignment, byte_progress, human_bytes, print_json, rank_files_phrase
+from ._format import ChunkAlignment, byte_progress, human_bytes, not_carried_phrase, print_json, rank_files_phrase
 
 
 def reshard_command(
@@ -35,12 +35,9 @@ def reshard_command(
     if json_out:
         print_json(summary.to_dict())
     elif not quiet:
-        unlisted = summary.unlisted_files
         typer.echo(
             f"wrote {summary.new}: {len(summary.layers)} layers resharded from {summary.from_world_size} to "
             f"{summary.world_size} rank files of {rank_files_phrase(summary)}; "
             f"{summary.replicated_files} other files ({human_bytes(summary.replicated_bytes)}, "
-            f"{len(summary.linked_files)} linked); {summary.seconds:.1f} s"
-            + (f"; not carried over, as {summary.out}'s manifest does not list them: {', '.join(unlisted[:5])}"
-               + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "") if unlisted else "")
+            f"{len(summary.linked_files)} linked); {summary.seconds:.1f} s" + not_carried_phrase(summary)
         )

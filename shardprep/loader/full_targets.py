@@ -20,8 +20,10 @@ from ..manifests.layout import Entry, chunk_range
 from ..manifests.manifest import LayerRecord, Manifest, load_manifest, read_chunk
 from ..manifests.paths import resolve_inside
 from ..manifests.rank_file import check_rank_header
+from ..manifests.swap_lock import reads_output
 
 
+@reads_output  # held until the generator ends: every layer from one output
 def iter_full_targets(
     directory: str | Path,
     *,

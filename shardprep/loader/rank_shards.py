@@ -38,6 +38,7 @@ from ..manifests.paths import resolve_inside
 from ..manifests.rank_file import check_rank_header
 from ..manifests.replicated import NOTICE_FILE, check_replicated_file, read_replicated_index
 from ..manifests.safetensors_header import SafetensorsHeader, read_safetensors_header
+from ..manifests.swap_lock import reads_output
 
 Allocate = Callable[[int], torch.Tensor]
 """allocate(nbytes) → a 1-D uint8 device tensor of that size (for example, registered or shareable memory)."""
@@ -185,6 +186,7 @@ class RankShards:
         self._buffer, self._device = buffer, buffer.device
 
 
+@reads_output  # the old output or the new one, never half of each, while --overwrite replaces it
 def load_replicated(directory: str | Path, manifest: Manifest, device: str | torch.device = "cpu",
                     verify: bool = True) -> dict[str, torch.Tensor]:
     """Every non-target tensor, read from the output directory's safetensors files onto `device`, all at once.
@@ -207,6 +209,7 @@ def load_replicated(directory: str | Path, manifest: Manifest, device: str | tor
     return out
 
 
+@reads_output  # held until the generator ends: every file from one output
 def iter_replicated(directory: str | Path, manifest: Manifest, device: str | torch.device = "cpu",
                     verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every non-target tensor, each read into memory of its own when it is asked for.
@@ -256,6 +259,7 @@ def _replicated_files(directory: str | Path, manifest: Manifest,
         yield name, path, header
 
 
+@reads_output  # the manifest and the rank file of one output, while --overwrite replaces it
 def open_rank(
     path: str | Path,
     rank: int,

@@ -7,6 +7,7 @@ costs one block of memory.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,20 @@ def digest(data: Any) -> str:
     import xxhash  # only hashing needs it; loading without verification depends on torch alone
 
     return xxhash.xxh3_128_hexdigest(data, seed=HASH_SEED)
+
+
+def joined_digest(parts: Iterable[Any]) -> str:
+    """`digest` of the bytes-like `parts` joined, without joining them (a manifest is megabytes).
+
+    >>> joined_digest([b"ab", memoryview(b"cd")]) == digest(b"abcd")
+    True
+    """
+    import xxhash
+
+    hasher = xxhash.xxh3_128(seed=HASH_SEED)
+    for part in parts:
+        hasher.update(part)
+    return hasher.hexdigest()
 
 
 def file_digest(path: str | Path, block: int = BLOCK_BYTES) -> tuple[int, str]:

@@ -49,8 +49,12 @@ class SafetensorsHeader:
     file_size: int
 
 
-def read_safetensors_header(path: str | Path) -> SafetensorsHeader:
+def read_safetensors_header(path: str | Path, *, whole_file: bool = True) -> SafetensorsHeader:
     """Read and check a safetensors file's header (the data itself is not read).
+
+    With `whole_file=False` the file may end anywhere after its header (a copy of a checkpoint's headers,
+    without its data): the tensors are checked against each other, not against the file's size, and
+    `file_size` is the size the header implies.
 
     >>> header = read_safetensors_header("model.safetensors")  # doctest: +SKIP
     >>> header.tensors["lm_head.weight"].dtype  # doctest: +SKIP
@@ -64,16 +68,19 @@ def read_safetensors_header(path: str | Path) -> SafetensorsHeader:
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise _invalid(where, f"corrupt or truncated safetensors header (claims {n} bytes, file has {size})")
         raw = read_exact(fd, n, 8, where)
-    return parse_safetensors_header(raw, size, where)
+    return parse_safetensors_header(raw, size if whole_file else None, where)
 
 
-def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> SafetensorsHeader:
-    """Check the JSON header `raw` of a safetensors file of `file_size` bytes (see `read_safetensors_header`).
+def parse_safetensors_header(raw: bytes, file_size: int | None, where: str) -> SafetensorsHeader:
+    """Check the JSON header `raw` of a safetensors file of `file_size` bytes (see `read_safetensors_header`;
+    None: a file of the size its header implies).
 
     >>> raw = b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}'
     >>> h = parse_safetensors_header(raw, 8 + len(raw) + 2, "x")
     >>> h.tensors["a"].nbytes, h.data_start
     (2, 61)
+    >>> parse_safetensors_header(raw, None, "x").file_size
+    63
     """
     try:
         header = parse_json(raw, where)
@@ -85,10 +92,17 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
     if metadata is not None and not is_str_dict(metadata):
         raise _invalid(where, "safetensors __metadata__ must map strings to strings")
     data_start = 8 + len(raw)
-    data_size = file_size - data_start
     tensors: dict[str, TensorInfo] = {}
     for name, info in header.items():
         tensors[name] = _tensor_info(name, info, where)
+    data_size = None if file_size is None else file_size - data_start
+    # Before holes and overlaps: a tensor moved past the end leaves a hole that a neighbour would be blamed for.
+    past = [] if data_size is None else [t for t in tensors.values() if t.end > data_size]
+    if past and data_size is not None:
+        t = min(past, key=lambda t: (t.begin, t.end))  # of a truncated file, the first tensor cut off
+        raise _invalid(where, f"truncated file or corrupt header: tensor {quoted(t.name)} has data_offsets "
+                       f"[{t.begin}, {t.end}) past the end of the file (its data region holds {max(data_size, 0)} "
+                       "bytes)", tensor=t.name)
     at = 0
     for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
         if t.begin != at:
@@ -96,8 +110,8 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
             raise _invalid(where, f"tensor {quoted(t.name)} {gap} (safetensors refuses holes and overlaps)",
                            tensor=t.name)
         at = t.end
-    if at > data_size:
-        raise _invalid(where, f"truncated file: its tensors need {data_start + at} bytes, the file has {file_size}")
+    if file_size is None or data_size is None:
+        return SafetensorsHeader(tensors, metadata, data_start, data_start + at)
     if at < data_size:
         raise _invalid(where, f"{data_size - at} bytes after the last tensor (safetensors refuses trailing bytes)")
     return SafetensorsHeader(tensors, metadata, data_start, file_size)

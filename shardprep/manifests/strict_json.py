@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from .exact_read import open_for_reading, read_exact
 MAX_DEPTH = 64
 # No byte count or shape is longer than this; Python itself refuses above 4300 digits with a ValueError.
 MAX_INT_DIGITS = 24
+_INT_BOUND = 10**MAX_INT_DIGITS
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class _Refused(Exception):
@@ -37,15 +40,25 @@ def _bounded_int(text: str) -> int:
 
 
 def _unique_keys(allow_duplicates: bool) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    if allow_duplicates:
+        return dict  # the last value of a key wins, as in json.loads
+
     def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out and not allow_duplicates:
-                raise _Refused(f"key {key[:80]!r} appears twice in one object")
-            out[key] = value
+        out = dict(pairs)  # one call per object: a loop over its keys here costs more than the parse itself
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise _Refused(f"key {key[:80]!r} appears twice in one object")
+                seen.add(key)
         return out
 
     return build
+
+
+def _loads(text: str, allow_duplicate_keys: bool, parse_int: Callable[[str], int] | None = None) -> Any:
+    return json.loads(text, object_pairs_hook=_unique_keys(allow_duplicate_keys), parse_int=parse_int,
+                      parse_constant=_no_constants)
 
 
 def parse_json(raw: bytes | str, where: str, *, allow_duplicate_keys: bool = False) -> Any:
@@ -63,9 +76,16 @@ def parse_json(raw: bytes | str, where: str, *, allow_duplicate_keys: bool = Fal
     """
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        data = json.loads(text, object_pairs_hook=_unique_keys(allow_duplicate_keys), parse_int=_bounded_int,
-                          parse_constant=_no_constants)
-        _check_depth_and_strings(data)
+        try:
+            data = _loads(text, allow_duplicate_keys)
+        except ValueError as exc:
+            if isinstance(exc, json.JSONDecodeError):
+                raise
+            # Python's own limit on an integer's digits: parse again, counting each integer's, to say which.
+            data = _loads(text, allow_duplicate_keys, parse_int=_bounded_int)
+        # Encoding every string costs a call per string: only a \u escape can make a lone surrogate (strict
+        # UTF-8 decoding refuses a surrogate's encoded bytes), so it runs only when the text holds one.
+        _check_values(data, strings=_SURROGATE_ESCAPE.search(text) is not None)
     except RecursionError:
         raise _invalid(where, f"not valid JSON (nested more than {MAX_DEPTH} levels deep)") from None
     except UnicodeError:
@@ -122,21 +142,44 @@ def is_str_dict(value: object) -> bool:
     return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
-def _check_depth_and_strings(data: Any) -> None:
-    # Iterative, so checking a deep document cannot itself recurse. "\ud800" parses to a lone surrogate,
-    # which no file name or message can be encoded with: encoding every string finds them.
-    stack = [(data, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, str):
-            item.encode("utf-8")
-        elif isinstance(item, (dict, list)):
-            if depth > MAX_DEPTH:
-                raise RecursionError
-            if isinstance(item, dict):
-                for key in item:
-                    key.encode("utf-8")
-            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+def _check_values(data: Any, *, strings: bool) -> None:
+    """Refuse nesting deeper than MAX_DEPTH, integers of more than MAX_INT_DIGITS digits and, with `strings`,
+    lone surrogates (the escape \\ud800 parses to one, and no file name or message can be encoded with it).
+
+    Iterative, so checking a deep document cannot itself recurse. The types are json.loads's exactly, and a
+    `type() is` test costs half an isinstance, on every value of the document.
+    """
+    level = [data] if type(data) in (dict, list) else []
+    if not level:
+        _check_scalar(data, strings)
+    depth = 1
+    while level:  # one depth at a time: the containers at `depth`
+        if depth > MAX_DEPTH:
+            raise RecursionError
+        deeper = []
+        for item in level:
+            if type(item) is dict:
+                if strings:
+                    for key in item:
+                        key.encode("utf-8")
+                item = item.values()
+            for value in item:
+                kind = type(value)
+                if kind is dict or kind is list:
+                    deeper.append(value)
+                elif kind is int:
+                    if not -_INT_BOUND < value < _INT_BOUND:
+                        _check_scalar(value, strings)
+                elif strings and kind is str:
+                    value.encode("utf-8")
+        level, depth = deeper, depth + 1
+
+
+def _check_scalar(value: Any, strings: bool) -> None:
+    if type(value) is int and not -_INT_BOUND < value < _INT_BOUND:
+        raise _Refused(f"an integer of {len(str(abs(value)))} digits")
+    if strings and type(value) is str:
+        value.encode("utf-8")
 
 
 def _invalid(where: str, why: str) -> IntegrityError:

@@ -1,4 +1,4 @@
-"""Output directories that never lose data, for any command that writes one (convert, later reshard).
+"""Output directories that never lose data, for any command that writes one (convert, reshard, export).
 
 `staged_output(OUT)` yields an empty staging directory next to OUT; the caller writes everything into
 it. On success the staging directory takes OUT's place in one atomic step, so at every instant OUT is
@@ -15,6 +15,10 @@ writer into the same OUT is refused, and staging directories (`.OUT.shardprep-tm
 owner's lock is free belong to a killed run and are removed by the next writer into the same parent.
 Such a directory is never an output (`is_staging_dir`; `validate` rejects it), even in the instant
 before the final rename when it is complete.
+
+The swap itself (rename or exchange, and the parent's fsync) runs under the readers' lock of OUT
+(`manifests/swap_lock.py`), taken exclusively: it waits for the readers of the old output to finish, so
+that none of them reads half of the old output and half of the new.
 """
 
 from __future__ import annotations
@@ -37,7 +41,11 @@ from pathlib import Path
 from ..errors import OutputError, ShardprepError
 from ..manifests.accounting import human_bytes
 from ..manifests.manifest import MANIFEST_NAME  # what marks a directory as a shardprep output
+from ..manifests.swap_lock import SWAP_LOCK_SUFFIX, remove_if_free, swapping
 
+# What marks a directory as written by shardprep, and so replaceable with --overwrite: an output's manifest, or
+# the record `export` writes into a plain checkpoint.
+EXPORT_RECORD = "shardprep_export.json"
 STAGING_MARK = ".shardprep-tmp-"
 LOCK_SUFFIX = ".shardprep-lock"
 # tempfile.mkdtemp's suffix: 8 characters of this alphabet. Only names of exactly this shape are ever removed.
@@ -85,8 +93,9 @@ def check_output_dir(out: Path, inputs: Sequence[Path], overwrite: bool) -> None
     """Refuse an OUT that a write could not safely replace; nothing is touched.
 
     Refused: OUT inside an input or containing one, a symlink, a mount point, a file, and a non-empty
-    directory unless `overwrite` is set *and* it is a shardprep output (it holds a regular file named
-    shard_manifest.json; its content is not parsed, so a damaged output can be replaced by reconverting).
+    directory unless `overwrite` is set *and* shardprep wrote it (it holds a regular file named
+    shard_manifest.json, or shardprep_export.json for an export; its content is not parsed, so a damaged
+    output can be replaced by reconverting).
 
     >>> check_output_dir(Path("out"), [Path("my-model")], overwrite=False)  # doctest: +SKIP
     """
@@ -112,7 +121,8 @@ def check_output_dir(out: Path, inputs: Sequence[Path], overwrite: bool) -> None
     if _is_empty(out):
         return
     if not _is_output(out):
-        raise OutputError(f"{out}: directory is not empty and not a shardprep output (no {MANIFEST_NAME}); "
+        raise OutputError(f"{out}: directory is not empty and not a shardprep output (no {MANIFEST_NAME} or "
+                          f"{EXPORT_RECORD}); "
                           "choose another location" + ("" if overwrite else " (--overwrite only replaces outputs)"))
     if not overwrite:
         raise OutputError(f"{out}: directory is not empty; pass --overwrite to replace it")
@@ -120,20 +130,22 @@ def check_output_dir(out: Path, inputs: Sequence[Path], overwrite: bool) -> None
 
 @contextmanager
 def staged_output(out: str | Path, *, inputs: Sequence[Path] = (), overwrite: bool = False,
-                  needed_bytes: int = 0, free_space: FreeSpace | None = None) -> Iterator[Path]:
+                  needed_bytes: int = 0, free_space: FreeSpace | None = None,
+                  swap_timeout: float | None = None) -> Iterator[Path]:
     """Yield an empty staging directory that atomically becomes `out` when the block succeeds.
 
     Under a lock on `out`: checks it (`check_output_dir`), removes abandoned staging directories in its
     parent, and refuses when the parent's filesystem has fewer than `needed_bytes` free (`free_space`,
-    default `disk_free`). Any exception leaves `out` as it was (or, after the swap, holding the new
-    output) and says which: ShardprepError and OSError messages end with it (OSError becomes
+    default `disk_free`). The swap waits for `out`'s readers (`swap_lock.reading`) to finish, at most
+    `swap_timeout` seconds when given. Any exception leaves `out` as it was (or, after the swap, holding
+    the new output) and says which: ShardprepError and OSError messages end with it (OSError becomes
     OutputError); every exception (KeyboardInterrupt too) carries it for `output_outcome`.
 
     >>> with staged_output("out/", inputs=[Path("my-model")], overwrite=True) as tmp:  # doctest: +SKIP
     ...     (tmp / "shard_manifest.json").write_text("{}")
     """
     out = Path(out)
-    txn = _Transaction(out)
+    txn = _Transaction(out, swap_timeout)
     try:
         txn.lock()
         check_output_dir(out, inputs, overwrite)
@@ -168,8 +180,9 @@ def writing(path: Path) -> Iterator[None]:
 class _Transaction:
     """The state of one `staged_output`: its lock, staging directory and whether OUT was swapped."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, swap_timeout: float | None = None):
         self.out = out
+        self.swap_timeout = swap_timeout
         self.abs = Path(os.path.abspath(out))
         self.parent, self.name = self.abs.parent, self.abs.name
         self.lock_path = self.parent / f".{self.name}{LOCK_SUFFIX}"
@@ -231,16 +244,18 @@ class _Transaction:
     def commit(self) -> None:
         os.chmod(self.staging, self._final_mode())
         _fsync_tree(self.staging)
-        try:
-            if os.path.isdir(self.abs) and not _is_empty(self.abs):
-                exchange(self.staging, self.abs)
-            else:
-                os.rename(self.staging, self.abs)  # replaces an empty directory, refuses a non-empty one
-        except OSError as exc:
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise OutputError(f"{self.out}: something else wrote into it meanwhile; it was not replaced") from None
-            raise OutputError(f"{self.out}: cannot be replaced ({exc.strerror})") from None
-        _fsync_dir(self.parent)
+        with swapping(self.abs, self.swap_timeout):
+            try:
+                if os.path.isdir(self.abs) and not _is_empty(self.abs):
+                    exchange(self.staging, self.abs)
+                else:
+                    os.rename(self.staging, self.abs)  # replaces an empty directory, refuses a non-empty one
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise OutputError(f"{self.out}: something else wrote into it meanwhile; it was not "
+                                      "replaced") from None
+                raise OutputError(f"{self.out}: cannot be replaced ({exc.strerror})") from None
+            _fsync_dir(self.parent)
         if os.path.lexists(self.staging):  # the old output, swapped out
             try:
                 _remove_output(self.staging)
@@ -379,6 +394,9 @@ def _remove_abandoned(parent: Path, own_name: str) -> None:
         names = [(entry.name, entry.path) for entry in entries]
     for name, path in names:
         staging = _STAGING_NAME.match(name)
+        if name.startswith(".") and name.endswith(SWAP_LOCK_SUFFIX):
+            remove_if_free(Path(path))  # a reader's or a swap's, killed while it held it
+            continue
         if staging:
             owner = staging.group("out")
         elif name.startswith(".") and name.endswith(LOCK_SUFFIX):
@@ -426,10 +444,13 @@ def _is_empty(directory: Path) -> bool:
 
 
 def _is_output(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path / MANIFEST_NAME).st_mode)
-    except OSError:
-        return False
+    for name in (MANIFEST_NAME, EXPORT_RECORD):
+        try:
+            if stat.S_ISREG(os.lstat(path / name).st_mode):
+                return True
+        except OSError:
+            pass
+    return False
 
 
 def _fsync_tree(root: Path) -> None:

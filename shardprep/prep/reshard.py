@@ -12,8 +12,8 @@ input's with the new layout and a `resharded_from` record, is written last.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -133,15 +133,9 @@ def _write(plan: ReshardPlan, source: ReshardInput, directory: Path, mode: CopyM
     files = plan.source.replicated_files
     with Writeback() as writeback, ThreadPoolExecutor(COPY_THREADS) as pool:
         try:
-            carried = {f.path: pool.submit(_carry, source, f, directory, mode, writeback) for f in files}
-
-            def check_carried() -> None:
-                for done in carried.values():
-                    if done.done():
-                        done.result()  # raises what the copy thread raised
-
-            records = _move_layers(plan, source, directory, writeback, progress, check_carried)
-            linked = {path: done.result() for path, done in carried.items()}
+            carried = CarriedFiles(pool, source, files, directory, mode, writeback)
+            records = _move_layers(plan, source, directory, writeback, progress, carried.check)
+            linked = carried.linked()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         writeback.finish()
@@ -163,7 +157,7 @@ def _move_layers(plan: ReshardPlan, source: ReshardInput, directory: Path, write
         progress(0, total)
     records = []
     for move in plan.moves:
-        _read_layer(source, move.source, buf[:move.source.total_bytes])
+        read_layer(source, move.source, buf[:move.source.total_bytes])
         flat = buf[:move.layout.total_bytes]
         # Below the last entry T's bytes are the N chunks' (checked, padding included); above it they are
         # zero by the format, and the buffer may still hold a longer layer's bytes there.
@@ -181,12 +175,37 @@ def _move_layers(plan: ReshardPlan, source: ReshardInput, directory: Path, write
     return records
 
 
-def _read_layer(source: ReshardInput, record: LayerRecord, flat: memoryview) -> None:
-    """T of one layer from its N chunks, each checked against its checksum."""
+def read_layer(source: ReshardInput, record: LayerRecord, flat: memoryview) -> None:
+    """T of one layer from its N chunks, each checked against its checksum (reshard's and export's reads).
+
+    >>> read_layer(open_reshard_input("out/"), manifest.layers[0], buffer)  # doctest: +SKIP
+    """
     for r, path in enumerate(source.rank_paths):
         lo, hi = chunk_range(r, record.chunk_bytes)
         with open_for_reading(path, "rank file") as fd:
             read_chunk(fd, path, record, r, flat[lo:hi])
+
+
+class CarriedFiles:
+    """Replicated files of OUT hard-linked (or copied) into `directory` by `pool` (`_carry`, each checked
+    where it lands) while the caller writes the rest: reshard's and export's.
+
+    >>> carried = CarriedFiles(pool, open_reshard_input("out/"), files, Path("staging/"), mode, wb)  # doctest: +SKIP
+    """
+
+    def __init__(self, pool: Executor, source: ReshardInput, files: Iterable[FileRecord], directory: Path,
+                 mode: CopyMode, writeback: Writeback):
+        self._futures = {f.path: pool.submit(_carry, source, f, directory, mode, writeback) for f in files}
+
+    def check(self) -> None:
+        """Raise what a finished copy raised: a file that failed its check stops the run now, not at the end."""
+        for done in self._futures.values():
+            if done.done():
+                done.result()
+
+    def linked(self) -> dict[str, bool]:
+        """Per file, whether it was hard-linked, once every copy is done (raises what one raised)."""
+        return {path: done.result() for path, done in self._futures.items()}
 
 
 def _carry(source: ReshardInput, record: FileRecord, directory: Path, mode: CopyMode, writeback: Writeback) -> bool:

@@ -38,8 +38,9 @@ class ReshardInput:
         return self.root / MANIFEST_NAME
 
 
-def open_reshard_input(out: str | Path) -> ReshardInput:
-    """Open the output directory `out` for reshard; raises a ShardprepError naming the file at fault.
+def open_reshard_input(out: str | Path, *, purpose: str = "resharded") -> ReshardInput:
+    """Open the output directory `out` for reshard (or export: `purpose` words the refusal of version 1);
+    raises a ShardprepError naming the file at fault.
 
     >>> open_reshard_input("out-8/").manifest.world_size  # doctest: +SKIP
     """
@@ -50,7 +51,7 @@ def open_reshard_input(out: str | Path) -> ReshardInput:
         raise ShardprepError(f"{root}: a staging directory of an interrupted or unfinished write, not an output")
     manifest = load_manifest(root)
     if manifest.version < 2:
-        raise ManifestError(f"{root / MANIFEST_NAME}: format version {manifest.version} cannot be resharded (its "
+        raise ManifestError(f"{root / MANIFEST_NAME}: format version {manifest.version} cannot be {purpose} (its "
                             "replicated files have no checksums to verify, and it records no selection); re-run "
                             "`shardprep convert` from the source, which writes version 2", code="manifest_version")
     boundary = source_boundary(root)

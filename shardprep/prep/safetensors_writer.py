@@ -41,7 +41,7 @@ class OutTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    data: FileRange | bytes | Callable[[], Any]
+    data: FileRange | bytes | memoryview | Callable[[], Any]
 
     @property
     def nbytes(self) -> int:

@@ -94,17 +94,18 @@ class SourceCheckpoint:
         }
 
 
-def read_safetensors_header(path: str | Path) -> SafetensorsHeader:
+def read_safetensors_header(path: str | Path, *, whole_file: bool = True) -> SafetensorsHeader:
     """Parse and check a source safetensors header strictly (the rules the safetensors library enforces).
 
-    Every tensor's dtype, shape and byte range are checked against each other and the file size,
-    so a truncated or corrupt file fails here with a SourceError naming the file and the tensor.
+    Every tensor's dtype, shape and byte range are checked against each other and (unless `whole_file`
+    is False: see `manifests.safetensors_header.read_safetensors_header`) the file size, so a truncated
+    or corrupt file fails here with a SourceError naming the file and the tensor.
 
     >>> header = read_safetensors_header("model.safetensors")  # doctest: +SKIP
     >>> header.tensors["lm_head.weight"].dtype  # doctest: +SKIP
     """
     try:
-        return read_header_strictly(path)
+        return read_header_strictly(path, whole_file=whole_file)
     except IntegrityError as exc:
         raise SourceError(str(exc)) from None
 
@@ -202,8 +203,11 @@ def check_inside(path: Path, root: Path, boundary: Path) -> None:
                           "copy the file into the model directory instead of linking it")
 
 
-def open_source(src: str | Path, revision: str | None = None) -> SourceCheckpoint:
+def open_source(src: str | Path, revision: str | None = None, *, whole_files: bool = True) -> SourceCheckpoint:
     """Parse a checkpoint's safetensors headers (single file or sharded with an index).
+
+    `whole_files=False` accepts files that end after their header (`validate --manifest-only --source`
+    reads headers alone, so a copy of them is enough); each file's `size` is then the one its header implies.
 
     >>> ckpt = open_source("my-model/")  # doctest: +SKIP
     >>> ckpt.tensors["model.layers.1.self_attn.o_proj.weight"].shape  # doctest: +SKIP
@@ -237,7 +241,7 @@ def open_source(src: str | Path, revision: str | None = None) -> SourceCheckpoin
         if not path.exists():
             raise SourceError(f"{index_path}: names shard {name!r}, which is missing from {root}")
         check_inside(path, root, boundary)
-        header = read_safetensors_header(path)
+        header = read_safetensors_header(path, whole_file=whole_files)
         files[name] = SourceFile(name, path, header.file_size, list(header.tensors), header.metadata)
         for tname, info in header.tensors.items():
             if tname in tensors:

@@ -23,6 +23,7 @@ from ..manifests.paths import files_under, resolve_inside
 from ..manifests.problems import Problem, quoted
 from ..manifests.replicated import NOTICE_TENSOR, ReplicatedIndex, check_replicated_file, read_replicated_index
 from ..manifests.safetensors_header import SafetensorsHeader, read_safetensors_header
+from ..manifests.swap_lock import reads_output
 from .output_dir import is_staging_dir
 from .source import SourceCheckpoint, open_source
 
@@ -70,6 +71,7 @@ class ValidationReport:
         }
 
 
+@reads_output  # the old output or the new one, never half of each, while --overwrite replaces it
 def validate(directory: str | Path, source: str | Path | None = None,
              revision: str | None = None) -> ValidationReport:
     """Check every invariant and every byte of an output directory; with `source`, compare every target
@@ -85,26 +87,18 @@ def validate(directory: str | Path, source: str | Path | None = None,
     root = Path(directory)
     if "\x00" in str(root):
         raise ShardprepError(f"{quoted(str(root))}: a path cannot contain a NUL byte")
+    if root.is_file():
+        raise ShardprepError(f"{root}: is a file, not an output directory; to check a manifest alone, run "
+                             f"`shardprep validate --manifest-only {root}`")
     if not root.is_dir():
         raise ShardprepError(f"{root}: no such directory")
     report = ValidationReport(str(root))
     if is_staging_dir(root):
-        report.add(Problem("staging_directory", f"{root}: a staging directory of an interrupted or unfinished "
-                           "convert, not an output; the next convert into its parent removes it"))
+        report.add(staging_problem(root))
         return report
-    try:
-        manifest, unsealed = read_manifest_file(root, check=False)
-    except ManifestError as exc:
-        report.add(Problem(exc.code, str(exc), file=MANIFEST_NAME))
+    manifest = checked_manifest(lambda: read_manifest_file(root, check=False), MANIFEST_NAME, report)
+    if manifest is None:
         return report
-    report.format_version = manifest.version
-    if unsealed:
-        report.add(Problem("manifest_checksum_mismatch", f"{MANIFEST_NAME}: {unsealed}", file=MANIFEST_NAME))
-    for problem in check_invariants(manifest):
-        report.add(Problem(problem.code, f"{MANIFEST_NAME}: {problem.message}", problem.file, problem.layer,
-                           problem.tensor))
-    if any(p.code != "manifest_checksum_mismatch" for p in report.problems):
-        return report  # offsets cannot be trusted: reading files by them would only add noise
     if manifest.version < 2:
         report.warnings.append(Problem(
             "unverified_replicated_files", "format version 1: the replicated files (index, safetensors, config, "
@@ -114,6 +108,49 @@ def validate(directory: str | Path, source: str | Path | None = None,
     if source is not None:
         _check_against_source(root, manifest, index, usable, source, revision, report)
     return report
+
+
+def staging_problem(root: Path) -> Problem:
+    """What `validate` reports for a staging directory (see docs/reliability.md, "No data lost")."""
+    return Problem("staging_directory", f"{root}: a staging directory of an interrupted or unfinished convert, "
+                   "not an output; the next convert into its parent removes it")
+
+
+def checked_manifest(read: Callable[[], tuple[Manifest, str | None]], name: str,
+                     report: ValidationReport) -> Manifest | None:
+    """Read a manifest with `read` (`read_manifest_file` or `read_manifest_at`, with check=False) and add what
+    is wrong with it to `report`, each message starting with `name`.
+
+    Returns the manifest; None when nothing more can be checked: it could not be read, or a problem other
+    than its own checksum means its offsets cannot be trusted (reading files by them would only add noise).
+
+    >>> m = checked_manifest(lambda: read_manifest_file("out", check=False), MANIFEST_NAME, report)  # doctest: +SKIP
+    """
+    try:
+        manifest, unsealed = read()
+    except ManifestError as exc:
+        report.add(Problem(exc.code, str(exc), file=name))
+        return None
+    report.format_version = manifest.version
+    if unsealed:
+        report.add(Problem("manifest_checksum_mismatch", f"{name}: {unsealed}", file=name))
+    for problem in check_invariants(manifest):
+        report.add(Problem(problem.code, f"{name}: {problem.message}", problem.file, problem.layer, problem.tensor))
+    if any(p.code != "manifest_checksum_mismatch" for p in report.problems):
+        return None
+    return manifest
+
+
+def source_revision(m: Manifest, source: str | Path, revision: str | None) -> str | None:
+    """The hub revision to read `source` at: `revision`, or, for the repo id the manifest records, the commit
+    (else the revision) it records.
+
+    >>> source_revision(load_manifest("out/"), "org/model", None)  # doctest: +SKIP
+    """
+    recorded = m.source if isinstance(m.source, dict) else {}
+    if revision is None and recorded.get("repo_id") is not None and str(source) == recorded.get("repo_id"):
+        return recorded.get("commit") or recorded.get("revision")
+    return revision
 
 
 # -- rank files ----------------------------------------------------------------------------------
@@ -308,10 +345,7 @@ def _check_unlisted(root: Path, m: Manifest, report: ValidationReport) -> None:
 
 def _check_against_source(root: Path, m: Manifest, index: ReplicatedIndex | None, usable: set[int],
                           source: str | Path, revision: str | None, report: ValidationReport) -> None:
-    recorded = m.source if isinstance(m.source, dict) else {}
-    if revision is None and recorded.get("repo_id") is not None and str(source) == recorded.get("repo_id"):
-        revision = recorded.get("commit") or recorded.get("revision")
-    ckpt = open_source(source, revision)
+    ckpt = open_source(source, source_revision(m, source, revision))
     for sf in ckpt.files.values():
         _check_with_library(sf.path, str(sf.path), report)
     weight_map = index.weight_map if index else {}

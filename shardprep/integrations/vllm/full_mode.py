@@ -17,8 +17,10 @@ from ...errors import ShardprepError
 from ...loader.full_targets import iter_full_targets
 from ...loader.rank_shards import load_replicated
 from ...manifests.manifest import load_manifest
+from ...manifests.swap_lock import reads_output
 
 
+@reads_output  # the replicated part and the targets of one output, while --overwrite replaces it
 def output_weights(directory: str | Path, verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of the source checkpoint, read from a convert output.
 
