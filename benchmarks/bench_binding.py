@@ -109,7 +109,8 @@ def main() -> None:
     sharded = len(binding.layers)
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "torch": torch.__version__, "layers": a.layers, "sharded_layers": sharded, "hidden": a.hidden,
-                     "tokens": a.tokens, "zero_copy": binding.gatherer.zero_copy, "backend": binding.gatherer.backend_name}
+                     "tokens": a.tokens, "zero_copy": binding.gatherer.zero_copy,
+                     "backend": binding.gatherer.backend_name}
     with torch.inference_mode():
         same = torch.equal(bound(ids, use_cache=False).logits, resident(ids, use_cache=False).logits)
         results["bit_identical"] = bool(same)
@@ -131,8 +132,8 @@ def main() -> None:
     print(f"| eager | resident {results['resident_ms']:.3f} ms | bound {results['bound_ms']:.3f} ms | "
           f"{results['eager_ratio']:.3f}× | {results['per_layer_us']:+.1f} µs per bound layer |")
     if "graph_ratio" in results:
-        print(f"| CUDA graph | resident {results['resident_graph_ms']:.3f} ms | bound {results['bound_graph_ms']:.3f} ms "
-              f"| {results['graph_ratio']:.3f}× |")
+        print(f"| CUDA graph | resident {results['resident_graph_ms']:.3f} ms | "
+              f"bound {results['bound_graph_ms']:.3f} ms | {results['graph_ratio']:.3f}× |")
     sys.stdout.flush()
     os._exit(0)  # leave the process group without interpreter teardown (see shardprep/cli/run.py)
 
