@@ -79,6 +79,7 @@ one-gpu-bench)
   for i in 1 2 3; do
     timeout 80 python3 benchmarks/bench_binding.py --device cuda --workdir /tmp/bench-binding --out "$OUT/bench_binding_$i.json" \
       >>"$OUT/bench_binding.log" 2>&1; echo "bench_binding $i rc=$?" >>"$OUT/bench_binding.log"
+    mkdir -p /tmp/bench-load
     timeout 100 python3 benchmarks/bench_load.py --steps --size-gb 2 --vocab 32000 --ranks 1 --device cuda \
       --workdir /tmp/bench-load --json "$OUT/bench_load_steps_$i.json" >>"$OUT/bench_load_steps.log" 2>&1
     echo "bench_load --steps $i rc=$?" >>"$OUT/bench_load_steps.log"

@@ -113,12 +113,16 @@ class Binding:
         layer_ops.unregister(self.handle)
 
     # -- what the ops run (eagerly, or between the pieces of a compiled graph) ------------------------
-    def layer_begin(self, position: int, weights: list[torch.Tensor]) -> None:
-        """layer_begin(position): begin the forward if this is its first op, then wait for the layer's gather."""
+    def layer_begin(self, position: int, weights: list[torch.Tensor] | None = None) -> None:
+        """layer_begin(position): begin the forward if this is its first op, then wait for the layer's gather.
+
+        `weights`: what a compiled graph handed the op as the layer's weights (checked to be the bound ones).
+        """
         if position == layer_ops.BEGIN_ONLY:
             self._begin()
             return
-        self._check_addresses(position, weights)
+        if weights is not None:
+            self._check_addresses(position, weights)
         # A forward that stopped midway (an exception inside a layer) is abandoned here: the gatherer lets
         # the gathers already issued complete and starts again at the first layer, as every rank must.
         if position == 0 and not (self._begun and self._position == 0):
@@ -127,9 +131,10 @@ class Binding:
             raise RuntimeShardError(self._out_of_order(self.layers[position]))
         self.gatherer.wait(self.layers[position].index)
 
-    def layer_end(self, position: int, weights: list[torch.Tensor]) -> None:
+    def layer_end(self, position: int, weights: list[torch.Tensor] | None = None) -> None:
         """layer_end(position): the layer's compute is issued, its slot may be gathered into again."""
-        self._check_addresses(position, weights)
+        if weights is not None:
+            self._check_addresses(position, weights)
         self.gatherer.done(self.layers[position].index)
         self._position = position + 1
         if self._position == len(self.layers):
@@ -166,6 +171,9 @@ def _begin_hook(binding: Binding, weights: list[torch.Tensor], position: int) ->
 
     # `_owner` keeps the binding alive as long as the model holds the hook (the op registry is weak).
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _owner: Binding = binding) -> None:
+        if not torch.compiler.is_compiling():  # eager: the op's body, without the dispatcher's cost
+            _owner.layer_begin(position)
+            return
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
         inputs += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
         torch.ops.shardprep.layer_begin(inputs, weights, order, handle, position)
@@ -177,6 +185,9 @@ def _end_hook(binding: Binding, weights: list[torch.Tensor], position: int) -> C
     handle, order = binding.handle, binding.order
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any, _owner: Binding = binding) -> None:
+        if not torch.compiler.is_compiling():
+            _owner.layer_end(position)
+            return
         outputs = [output] if isinstance(output, torch.Tensor) else [
             o for o in (output if isinstance(output, (tuple, list)) else ()) if isinstance(o, torch.Tensor)]
         torch.ops.shardprep.layer_end(outputs, weights, order, handle, position)

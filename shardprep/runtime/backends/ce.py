@@ -143,6 +143,8 @@ class CopyEngineBackend:
                   for p, peer in enumerate(self._peers) if peer is not None]
         if not in_place:  # last: the local copy is the cheapest lane
             copies.append((out[self.rank * c:(self.rank + 1) * c], chunk))
+        if not copies:  # one rank, its own chunk mapped in place: nothing moves
+            return _nothing_to_copy
         first_dst, first_src = copies[0]
         lanes = [(s, dst, src, torch.cuda.Event()) for s, (dst, src) in zip(self._lanes, copies[1:])]
         fork = torch.cuda.Event()
@@ -163,6 +165,10 @@ class CopyEngineBackend:
                 stream.wait_event(joined)
 
         return gather
+
+
+def _nothing_to_copy(stream: torch.cuda.Stream | None) -> None:
+    return None
 
 
 def _enable_group(symm_mem: Any, group: dist.ProcessGroup) -> None:
