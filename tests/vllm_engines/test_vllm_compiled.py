@@ -29,7 +29,7 @@ from shardprep.prep.convert import convert  # noqa: E402
 PROMPTS = [["hello"], ["hello world", "the model shard weights", "a b c d e f", "gpu fast layer rank", "x y z",
                        "weights shard the model"]]
 MAX_TOKENS = [3, 24]
-LLM = {"max_model_len": 128, "max_num_seqs": 8, "dtype": "bfloat16", "seed": 0, "load_format": "shardprep"}
+LLM = {"max_model_len": 128, "max_num_seqs": 1, "dtype": "bfloat16", "seed": 0, "load_format": "shardprep"}
 SHARDED = {"model_loader_extra_config": {"shard_weights": True}}
 # The traced graph's code, in every worker's log: it must call the gather ops (no graph break: vLLM traces fullgraph).
 TRACE_LOG = {"TORCH_LOGS": "graph_code"}

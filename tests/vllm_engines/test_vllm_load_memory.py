@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(2400)
 import load_probe  # noqa: E402
 from checkpoints import LLAMA_ALL_LINEAR  # noqa: E402
 from engine_runs import run_engines  # noqa: E402
+from same_kernels import SAME_KERNELS  # noqa: E402
 
 from shardprep.prep.convert import convert  # noqa: E402
 
@@ -51,7 +52,7 @@ def loads(checkpoint_cache, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:  # vLLM's worker processes inherit both
         env.setenv("PYTHONPATH", path)
         env.setenv(load_probe.ENV, str(probe))
-        results, output = run_engines({"dp_size": 1, "runs": runs}, root)
+        results, output = run_engines({"dp_size": 1, "env": SAME_KERNELS, "runs": runs}, root)
     records = [json.loads(line) for line in probe.read_text().splitlines()]
     assert [r["shard_weights"] for r in records] == [False, True], output[-4000:]
     return results, dict(zip(("full", "sharded"), records))

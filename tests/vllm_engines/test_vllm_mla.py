@@ -28,7 +28,7 @@ from shardprep.prep.convert import convert  # noqa: E402
 from shardprep.prep.selection import load_preset  # noqa: E402
 
 ARCHS = ("deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj")
-LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 8, "dtype": "bfloat16", "seed": 0}
+LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 1, "dtype": "bfloat16", "seed": 0}
 SHARDPREP = {**LLM, "load_format": "shardprep"}
 SHARDED = {**SHARDPREP, "model_loader_extra_config": {"shard_weights": True}}
 PROMPTS = ["hello world", "the model shard weights", "a b c d e f", "gpu fast layer rank"]

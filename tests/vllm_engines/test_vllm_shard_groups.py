@@ -28,7 +28,7 @@ PROMPTS = [["hello"], ["a b c", "x y z"],
            ["hello world", "the model shard weights", "a b c d e f", "gpu fast layer rank"],
            ["weights shard the model", "x y z", "rank layer"]]
 MAX_TOKENS = [2, 5, 16, 12]
-LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 8, "dtype": "bfloat16", "seed": 0,
+LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 1, "dtype": "bfloat16", "seed": 0,
        "load_format": "shardprep"}
 STARTUP = re.compile(
     r"shardprep: DP rank (\d) of (\d) serves (\S+) sharded: .*; shard group (\d) of (\d) \(DP ranks (\d)\.\.(\d)\), "

@@ -28,7 +28,7 @@ from shardprep.prep.convert import convert  # noqa: E402
 PROMPTS = [["hello"], ["hello world", "the model shard weights", "a b c d e f", "gpu fast layer rank", "x y z",
                        "weights shard the model"]]
 MAX_TOKENS = [3, 24]
-LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 8, "dtype": "bfloat16", "seed": 0,
+LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 1, "dtype": "bfloat16", "seed": 0,
        "load_format": "shardprep"}
 STARTUP = re.compile(
     r"shardprep: DP rank (\d) of (\d) serves (\S+) sharded: (\d+) layers bound \((\d+)\.\.(\d+)\), gather backend "
