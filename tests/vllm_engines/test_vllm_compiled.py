@@ -84,6 +84,25 @@ def test_the_sharded_engines_traced_the_gather_ops_into_their_graphs(dynamo_engi
     assert "Graph break" not in output
 
 
+def test_two_shard_groups_at_dp4_compiled_give_the_unsharded_compiled_tokens(own_dirs):
+    """DP=4 from the same directory for N=2: two shard groups of 2, DP rank r holding rank file r mod 2."""
+    root, out, _ = own_dirs
+    work = root / "dynamo-dp4"
+    work.mkdir()
+    prompts = [["hello"], ["a b c", "x y z"], ["hello world", "gpu fast layer rank"], ["the model"]]
+    max_tokens = [2, 5, 10, 8]
+    sharded = {**LLM, "model_loader_extra_config": {"shard_weights": True, "shard_group_size": 2}}
+    runs = [{"name": "unsharded", "model": str(out), "llm": LLM, "prompts": prompts, "max_tokens": max_tokens},
+            {"name": "sharded", "model": own_rank_files(out, work, 4), "llm": sharded, "prompts": prompts,
+             "max_tokens": max_tokens}]
+    env = {**SAME_KERNELS, "VLLM_CPU_CI_ENV": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"}
+    results, _ = run_engines({"dp_size": 4, "env": env, "runs": runs}, work, timeout=2700)
+    for rank in range(4):
+        assert "tokens" in results["unsharded"][rank], results["unsharded"][rank]
+        assert [len(t) for t in results["unsharded"][rank]["tokens"]] == [max_tokens[rank]] * len(prompts[rank])
+        assert results["sharded"][rank] == results["unsharded"][rank], f"DP rank {rank}"
+
+
 @pytest.mark.slow
 def test_sharded_dp2_compiled_by_inductor_gives_the_unsharded_inductor_tokens(own_dirs):
     root, out, own = own_dirs
