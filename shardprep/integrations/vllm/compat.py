@@ -135,7 +135,6 @@ def _all_gatherv(self: Any, input_: torch.Tensor | list[torch.Tensor], dim: int 
         raise NotImplementedError("only dim 0 all-gatherv is supported")
     tensors = [input_] if isinstance(input_, torch.Tensor) else list(input_)
     rows = list(sizes) if sizes is not None else [tensors[0].shape[0]] * self.world_size
-    _row_counts_are_sizes(rows)
     gathered = torch.ops.shardprep.cpu_all_gatherv(tensors, rows, _group_handle(self))
     return gathered[0] if isinstance(input_, torch.Tensor) else list(gathered)
 
@@ -143,15 +142,7 @@ def _all_gatherv(self: Any, input_: torch.Tensor | list[torch.Tensor], dim: int 
 def _reduce_scatterv(self: Any, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
     dim = dim % input_.dim()
     rows = list(sizes) if sizes is not None else [input_.shape[dim] // self.world_size] * self.world_size
-    _row_counts_are_sizes(rows)
     return torch.ops.shardprep.cpu_reduce_scatterv(input_, dim, rows, self.rank_in_group, _group_handle(self))
-
-
-def _row_counts_are_sizes(rows: list[int]) -> None:
-    # Under Dynamo the other ranks' row counts are data-dependent (read from a tensor each step); saying they
-    # are sizes lets vLLM's MoE decide `rows == 0` branches on the sum without guarding on the data.
-    for r in rows:
-        torch._check(r >= 0)
 
 
 @torch.library.custom_op("shardprep::cpu_all_gatherv", mutates_args=())
