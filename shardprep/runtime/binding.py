@@ -82,7 +82,6 @@ class Binding:
         self.handle = layer_ops.register(self)
         for layer in layers:
             layer.point(gatherer.views(layer.index))
-        self._addresses = [[p.data_ptr() for p in layer.weights] for layer in layers]
         self._handles: list[Any] = []
         if first is not None and first is not layers[0].module:  # an unbound layer in front: it begins
             self._handles.append(first.register_forward_pre_hook(
@@ -144,10 +143,8 @@ class Binding:
         # A compiler that does not run the ops in place (AOTAutograd's functionalization without Inductor's
         # reinplacing, e.g. backend="aot_eager") hands them copies taken before the gather, and the layer
         # would then read those stale copies: refuse instead of computing with the wrong weights.
-        expected = self._addresses[position]
-        for k, w in enumerate(weights):
-            if w.data_ptr() != expected[k]:
-                name = self.layers[position].params[k][1]
+        for w, (param, name) in zip(weights, self.layers[position].params):
+            if w.data_ptr() != param.data_ptr():
                 raise RuntimeShardError(
                     f"{name}: the compiled graph passed a copy of this weight to shardprep::layer_begin/layer_end, "
                     "so the layer would read bytes gathered for another layer; compile with backend='inductor' "
