@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,11 +37,11 @@ from ..manifests.safetensors_header import read_safetensors_header
 from ..manifests.swap_lock import reading
 from .convert import CopyMode
 from .output_dir import EXPORT_RECORD, check_output_dir, staged_output, writing
-from .reshard import CarriedFiles, read_layer
+from .reshard import read_layer, write_carrying
 from .reshard_input import ReshardInput, open_reshard_input
 from .safetensors_writer import OutTensor, write_safetensors
 from .writeback import Writeback
-from .writer import COPY_THREADS, CREATED_BY, Progress, carried_bytes, disk_bytes, output_device, write_atomically
+from .writer import CREATED_BY, Progress, carried_bytes, disk_bytes, output_device, write_atomically
 
 SUMMARY_SCHEMA = "shardprep/export-summary/1"
 RECORD_SCHEMA = "shardprep/export/1"
@@ -214,14 +213,9 @@ def _file_order(entries: tuple[Entry, ...]) -> tuple[Entry, ...]:
 def _write(plan: ExportPlan, source: ReshardInput, directory: Path, mode: CopyMode,
            progress: Progress | None) -> dict[str, bool]:
     """Write DIR's files into `directory`, the index last; returns, per carried file, whether it was linked."""
-    with Writeback() as writeback, ThreadPoolExecutor(COPY_THREADS) as pool:
-        try:
-            carried = CarriedFiles(pool, source, plan.carried, directory, mode, writeback)
-            _write_targets(plan, source, directory, writeback, progress, carried.check)
-            linked = carried.linked()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        writeback.finish()
+    _, linked = write_carrying(
+        source, plan.carried, directory, mode,
+        lambda writeback, check_carried: _write_targets(plan, source, directory, writeback, progress, check_carried))
     write_atomically(directory / REPLICATED_INDEX, json.dumps(plan.index, indent=2) + "\n")
     write_atomically(directory / EXPORT_RECORD, json.dumps(plan.record, indent=2) + "\n")
     return linked

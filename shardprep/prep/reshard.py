@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import IntegrityError
 from ..manifests.checksums import digest, file_digest
@@ -42,6 +42,8 @@ from .writer import (
 )
 
 SUMMARY_SCHEMA = "shardprep/reshard-summary/1"
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -130,15 +132,9 @@ def _write(plan: ReshardPlan, source: ReshardInput, directory: Path, mode: CopyM
            resharded_from: dict[str, Any], progress: Progress | None) -> tuple[Manifest, dict[str, bool]]:
     """Write NEW's files into `directory`, the manifest last; returns it and, per replicated file, whether
     it was hard-linked."""
-    files = plan.source.replicated_files
-    with Writeback() as writeback, ThreadPoolExecutor(COPY_THREADS) as pool:
-        try:
-            carried = CarriedFiles(pool, source, files, directory, mode, writeback)
-            records = _move_layers(plan, source, directory, writeback, progress, carried.check)
-            linked = carried.linked()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        writeback.finish()
+    records, linked = write_carrying(
+        source, plan.source.replicated_files, directory, mode,
+        lambda writeback, check_carried: _move_layers(plan, source, directory, writeback, progress, check_carried))
     manifest = replace(plan.skeleton_manifest(resharded_from), layers=tuple(records), created_by=CREATED_BY)
     write_manifest(directory, manifest)
     return manifest, linked
@@ -186,9 +182,28 @@ def read_layer(source: ReshardInput, record: LayerRecord, flat: memoryview) -> N
             read_chunk(fd, path, record, r, flat[lo:hi])
 
 
+def write_carrying(source: ReshardInput, files: Iterable[FileRecord], directory: Path, mode: CopyMode,
+                   write: Callable[[Writeback, Callable[[], None]], T]) -> tuple[T, dict[str, bool]]:
+    """`write(writeback, check_carried)`'s result, and per file of `files` whether it was hard-linked: the files
+    are carried into `directory` on a thread pool (`CarriedFiles`) while `write` writes the rest (reshard's
+    rank files, export's target files), `check_carried()` raising as soon as one failed its check.
+
+    >>> records, linked = write_carrying(source, files, staging, mode, lambda wb, check: ...)  # doctest: +SKIP
+    """
+    with Writeback() as writeback, ThreadPoolExecutor(COPY_THREADS) as pool:
+        try:
+            carried = CarriedFiles(pool, source, files, directory, mode, writeback)
+            result = write(writeback, carried.check)
+            linked = carried.linked()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        writeback.finish()
+    return result, linked
+
+
 class CarriedFiles:
     """Replicated files of OUT hard-linked (or copied) into `directory` by `pool` (`_carry`, each checked
-    where it lands) while the caller writes the rest: reshard's and export's.
+    where it lands) while the caller writes the rest (`write_carrying`).
 
     >>> carried = CarriedFiles(pool, open_reshard_input("out/"), files, Path("staging/"), mode, wb)  # doctest: +SKIP
     """
