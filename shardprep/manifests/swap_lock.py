@@ -151,12 +151,17 @@ def remove_if_free(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
     except (OSError, ValueError):
         return
+    _remove_if_alone(path, fd)
+
+
+def _remove_if_alone(path: Path, fd: int) -> None:
+    """Unlink the lock file `fd` has open if nobody else holds it (and `path` still names it); closes `fd`."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if _still_named(path, fd):
             os.unlink(path)
     except OSError:
-        pass
+        pass  # another reader or the writer has it; they remove it
     finally:
         os.close(fd)
 
@@ -205,15 +210,7 @@ def _leave(path: Path) -> None:
         if entry[1]:
             return
         del _held[path]
-        fd = entry[0]
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # alone with it: remove it, as the swap does
-            if _still_named(path, fd):
-                os.unlink(path)
-        except OSError:
-            pass  # another reader or the writer has it; they remove it
-        finally:
-            os.close(fd)
+        _remove_if_alone(path, entry[0])  # as the swap does
 
 
 def _lock_shared(path: Path) -> int | None:
