@@ -16,6 +16,7 @@ import torch
 from checkpoints import read_state_dict
 from fp8_fixture import quantize_checkpoint_fp8
 from reconstruct import rebuild_layers
+from test_output_kills import wait_for
 from test_reshard import KINDS, corrupt, one_line_error, tree
 from typer.testing import CliRunner
 
@@ -292,11 +293,7 @@ def test_sigterm_stops_an_export_like_ctrl_c(out8, tmp_path):
     before = tree(plain)
     ready = tmp_path / "ready"
     proc = start_driver(out8, plain, ready, tmp_path / "go", "--overwrite")
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.02)
-    assert is_staging_dir(Path(ready.read_text()))
+    assert is_staging_dir(wait_for(ready, proc))
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130

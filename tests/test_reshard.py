@@ -6,13 +6,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from fp8_fixture import quantize_checkpoint_fp8
 from test_format_v2 import downgrade_to_v1
+from test_output_kills import wait_for
 from typer.testing import CliRunner
 
 import shardprep
@@ -320,11 +320,7 @@ def test_sigterm_stops_a_reshard_like_ctrl_c(out8, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(ready), str(tmp_path / "go"), "reshard", str(out8),
                              str(new), "--ranks", "4", "--overwrite"], env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.02)
-    assert is_staging_dir(Path(ready.read_text()))
+    assert is_staging_dir(wait_for(ready, proc))
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130
