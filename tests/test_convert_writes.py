@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -87,14 +88,23 @@ def test_a_refused_splice_falls_back_to_pwrite_without_losing_bytes(tmp_path, mo
 
 
 def test_the_disk_write_of_every_data_byte_starts_during_convert(checkpoint_cache, tmp_path, monkeypatch):
+    # What convert asks for is recorded at Writeback.start: the thread that passes requests on to the
+    # kernel drops what is still queued at finish() (the fsyncs write it anyway), so on a busy machine
+    # the kernel sees a timing-dependent subset, every call of which must be one convert asked for.
     src = checkpoint_cache("llama", sharded=True)
-    started: dict[str, list[tuple[int, int]]] = {}
+    requested: dict[str, list[tuple[int, int]]] = {}
+    passed_on: list[tuple[str, int, int]] = []
+    real_start = writeback_module.Writeback.start
+
+    def start(self, path, offset, nbytes):
+        requested.setdefault(os.path.basename(path), []).append((offset, offset + nbytes))
+        real_start(self, path, offset, nbytes)
 
     def record(fd, offset, nbytes, flags):
-        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
-        started.setdefault(name, []).append((offset, offset + nbytes))
+        passed_on.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, offset + nbytes))
         return 0
 
+    monkeypatch.setattr(writeback_module.Writeback, "start", start)
     monkeypatch.setattr(writeback_module, "_sync_file_range", record)
     fds_before = len(os.listdir("/proc/self/fd"))
     out = tmp_path / "out"
@@ -103,11 +113,34 @@ def test_the_disk_write_of_every_data_byte_starts_during_convert(checkpoint_cach
     m = json.loads((out / "shard_manifest.json").read_text())
     for rank_file in m["rank_files"]:  # every layer's chunk of every rank
         chunks = {(lay["file_offset"], lay["file_offset"] + lay["chunk_bytes"]) for lay in m["layers"]}
-        assert set(started[os.path.basename(rank_file)]) == chunks
+        assert set(requested[os.path.basename(rank_file)]) == chunks
     for name in summary.copied_files:  # every byte of every rewritten or copied file
-        ranges = sorted(started[os.path.basename(name)])
+        ranges = sorted(requested[os.path.basename(name)])
         assert ranges[0][0] == 0 and ranges[-1][1] == (out / name).stat().st_size
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all((start, end) in requested[name] for name, start, end in passed_on)
+
+
+def test_writeback_passes_a_request_to_the_kernel_and_fsyncs_its_file(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 8192)
+    passed_on = threading.Event()
+    calls = []
+
+    def record(fd, offset, nbytes, flags):
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, nbytes, flags))
+        passed_on.set()
+        return 0
+
+    fsynced = []
+    monkeypatch.setattr(writeback_module, "_sync_file_range", record)
+    monkeypatch.setattr(writeback_module.os, "fsync", lambda fd: fsynced.append(os.readlink(f"/proc/self/fd/{fd}")))
+    with writeback_module.Writeback() as writeback:
+        writeback.start(path, 4096, 4096)
+        assert passed_on.wait(10)
+        writeback.finish()
+    assert calls == [(str(path), 4096, 4096, writeback_module.SYNC_FILE_RANGE_WRITE)]
+    assert fsynced == [str(path)]
 
 
 def test_a_failed_replicated_copy_leaves_nothing_behind(checkpoint_cache, tmp_path, monkeypatch):
