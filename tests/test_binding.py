@@ -193,3 +193,23 @@ def test_every_other_layer_sharded_matches_transformers(world_of_one, checkpoint
     assert start <= binding.model.model.layers[3].self_attn.q_proj.weight.data_ptr() < end  # sharded: slot 1
     original = read_state_dict(src)["model.layers.2.self_attn.q_proj.weight"]
     assert torch.equal(binding.model.model.layers[2].self_attn.q_proj.weight, original)  # replicated: its own
+
+
+def test_the_compile_key_tells_apart_bindings_that_trace_different_graphs(world_of_one, checkpoint_cache, tmp_path):
+    src = checkpoint_cache("llama", layers=5)
+    every, odd = tmp_path / "every", tmp_path / "odd"
+    convert(src, every, 1, preset="llama")
+    convert(src, odd, 1, preset="llama", layers="1-:2")
+    keys = {}
+    for name, out in [("every", every), ("every-again", every), ("odd", odd)]:
+        binding = build_model(out, "cpu")
+        handle = binding.handle
+        keys[name, "own handle"] = binding.compile_key()
+        # A fresh server process numbers its one binding 1: compare the bindings as two such processes would.
+        binding.handle = 1
+        keys[name] = binding.compile_key()
+        binding.handle = handle
+        binding.remove()
+    assert keys["every"] == keys["every-again"]  # the same graph: a cached one may be reused
+    assert keys["every"] != keys["odd"]  # layers 1 and 3 only: other ops, other weights declared written
+    assert keys["every", "own handle"] != keys["every-again", "own handle"]  # another handle is baked in

@@ -15,6 +15,8 @@ layer's weights once the slot is reused): only the layer itself may read it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .._version import __version__
 from ..errors import RuntimeShardError
 from ..manifests.dtypes import torch_dtype
 from ..manifests.manifest import LayerRecord, Manifest
@@ -83,7 +86,9 @@ class Binding:
         for layer in layers:
             layer.point(gatherer.views(layer.index))
         self._handles: list[Any] = []
+        self._begins_before_first_layer = False
         if first is not None and first is not layers[0].module:  # an unbound layer in front: it begins
+            self._begins_before_first_layer = True
             self._handles.append(first.register_forward_pre_hook(
                 _begin_hook(self, layers[0].weights, layer_ops.BEGIN_ONLY), with_kwargs=True))
         for layer in layers:
@@ -95,6 +100,20 @@ class Binding:
     def target_parameters(self) -> dict[str, nn.Parameter]:
         """Manifest name → the parameter it binds to (fused view names included)."""
         return {name: p for layer in self.layers for p, name in layer.params}
+
+    def compile_key(self) -> str:
+        """A digest of what a compiled graph of the bound model bakes in: the ops' constants (the handle, each
+        bound layer's position, layer 0's begin-only op) and which parameters each op declares it writes.
+
+        A compile cache keyed by model and config alone (vLLM's) would otherwise hand a sharded model a graph
+        traced without the ops (a full-mode run of the same directory: weights never gathered), or with
+        another binding's. Two bindings with equal keys trace the same graph.
+
+        >>> vllm_config.additional_config["shardprep"] = binding.compile_key()  # doctest: +SKIP
+        """
+        shape = [__version__, self.handle, self._begins_before_first_layer,
+                 [(layer.index, layer.position, [name for _, name in layer.params]) for layer in self.layers]]
+        return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
 
     def idle_step(self) -> None:
         """Take part in one forward's gathers without computing (a rank with no work this step).

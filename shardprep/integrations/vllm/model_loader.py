@@ -78,6 +78,10 @@ class ShardprepModelLoader(BaseModelLoader):
         model = super().load_model(vllm_config, model_config, prefix)
         if self.binding is not None:
             compat.refuse_replaced_after_processing(self._bound_before_processing, self.binding.target_parameters)
+            if not compat.key_compile_cache(vllm_config, self.binding.compile_key()):
+                compat.logger().warning(
+                    "shardprep: additional_config is not a dict, so vLLM's compile cache cannot tell this sharded "
+                    "model's graphs from full mode's; set VLLM_DISABLE_COMPILE_CACHE=1")
         return model
 
 
