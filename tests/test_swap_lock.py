@@ -21,12 +21,15 @@ import pytest
 
 import shardprep.loader.rank_shards as rank_shards
 import shardprep.manifests.swap_lock as swap_lock
+import shardprep.prep.export as export_module
+import shardprep.prep.reshard as reshard_module
 from shardprep.errors import OutputError
 from shardprep.loader import iter_replicated, load_replicated, open_rank
 from shardprep.loader.full_targets import iter_full_targets
 from shardprep.manifests.manifest import MANIFEST_NAME, load_manifest
 from shardprep.manifests.swap_lock import reading, swap_lock_path, swapping
 from shardprep.prep.convert import convert
+from shardprep.prep.export import export
 from shardprep.prep.output_dir import _remove_abandoned, staged_output
 from shardprep.prep.reshard import reshard
 from shardprep.prep.validate import validate
@@ -356,6 +359,32 @@ def test_open_rank_and_the_replicated_and_full_target_readers_hold_the_lock_whil
         with swapping(out):
             pass
     targets.close()
+    assert not lock.exists()
+
+
+@pytest.mark.parametrize("command", ["reshard", "export"])
+def test_reshard_and_export_hold_the_lock_on_out_while_they_read_it(command, llama, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    convert(llama, out, 2, preset="llama")
+    lock = swap_lock_path(out)
+    held = []
+    real_read_layer = reshard_module.read_layer
+
+    def read_and_look(*args):
+        held.append(lock.exists())
+        with pytest.raises(OutputError, match="this process is reading it"):
+            with swapping(out):  # what an --overwrite of OUT would do now: wait for this reader
+                pass
+        return real_read_layer(*args)
+
+    monkeypatch.setattr(reshard_module if command == "reshard" else export_module, "read_layer", read_and_look)
+    if command == "reshard":
+        reshard(out, tmp_path / "new", 3)
+        assert validate(tmp_path / "new").ok
+    else:
+        export(out, tmp_path / "new")
+        assert (tmp_path / "new" / "config.json").exists()  # a plain checkpoint: nothing for validate
+    assert len(held) == len(load_manifest(out).layers) and all(held)
     assert not lock.exists()
 
 

@@ -3,8 +3,8 @@
 `--overwrite` puts a new output in OUT's place in one rename (`prep/output_dir.py`), but a reader opens
 OUT's files one after another: without a lock it could read the old manifest and then the new files
 ("model-00004-of-00008.safetensors: not found" for a good output). So every reader (`validate`,
-`open_rank`, `load_replicated`, `iter_replicated`, `iter_full_targets`, vLLM's full mode, `export`)
-holds a shared `flock` on `.OUT.shardprep-swap-lock` while it reads, and the writer takes it
+`open_rank`, `load_replicated`, `iter_replicated`, `iter_full_targets`, vLLM's full mode, `export`,
+`reshard`) holds a shared `flock` on `.OUT.shardprep-swap-lock` while it reads, and the writer takes it
 exclusively around the swap alone:
 
 - The lock file sits next to OUT, not inside it: OUT itself is what the swap replaces.

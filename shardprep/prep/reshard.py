@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,6 +24,7 @@ from ..manifests.checksums import digest, file_digest
 from ..manifests.exact_read import open_for_reading
 from ..manifests.layout import chunk_range
 from ..manifests.manifest import FileRecord, LayerRecord, Manifest, rank_file_name, read_chunk
+from ..manifests.swap_lock import reading
 from .convert import CopyMode, check_write_options
 from .output_dir import check_output_dir, staged_output
 from .reshard_input import ReshardInput, open_reshard_input
@@ -99,14 +101,19 @@ def reshard(
     t0 = time.perf_counter()
     mode = check_write_options(ranks, copy_mode, chunk_alignment)
     out, new = Path(out), Path(new)
-    source = open_reshard_input(out)
-    check_output_dir(new, [out], overwrite)  # early, before planning; again under the lock
-    plan = plan_reshard(source.manifest, ranks, chunk_alignment, where=str(source.manifest_path))
-    resharded_from = {"path": str(source.root.resolve()), "world_size": source.manifest.world_size,
-                      "chunk_alignment": source.manifest.chunk_alignment, "created_by": source.manifest.created_by}
-    needed = _output_bytes(plan, source, new, mode)
-    with staged_output(new, inputs=[out], overwrite=overwrite, needed_bytes=needed) as tmp:
-        manifest, linked = _write(plan, source, tmp, mode, resharded_from, progress)
+    with ExitStack() as reading_out:
+        reading_out.enter_context(reading(out))  # one output, not half of one replaced meanwhile
+        source = open_reshard_input(out)
+        check_output_dir(new, [out], overwrite)  # early, before planning; again under the lock
+        plan = plan_reshard(source.manifest, ranks, chunk_alignment, where=str(source.manifest_path))
+        resharded_from = {"path": str(source.root.resolve()), "world_size": source.manifest.world_size,
+                          "chunk_alignment": source.manifest.chunk_alignment,
+                          "created_by": source.manifest.created_by}
+        needed = _output_bytes(plan, source, new, mode)
+        with staged_output(new, inputs=[out], overwrite=overwrite, needed_bytes=needed) as tmp:
+            manifest, linked = _write(plan, source, tmp, mode, resharded_from, progress)
+            # Every byte of OUT is read: let a swap of OUT go on, and never wait for NEW's swap holding OUT.
+            reading_out.close()
     return ReshardSummary(
         out=str(out),
         new=str(new),
