@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj",
-         "deepseek-v3-mla-blocks", "bert")
+         "deepseek-v3-mla-blocks", "kimi-linear", "bert")
 
 # The MLA dimensions of DeepSeek-V3 and Kimi-K2 that vLLM's CPU MLA kernel accepts (its latent head is
 # kv_lora_rank + qk_rope_head_dim = 576 wide, nothing else); q_lora_rank is the real models' 1536 shrunk.
@@ -38,6 +38,7 @@ def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 12
     (q_lora_rank 128, grouped routing, one dense layer), Kimi-K2 (half the heads, twice the experts, one
     expert group, two dense layers), DeepSeek-V3 without q_lora_rank (`q_proj`, as DeepSeek-V2-Lite), and
     DeepSeek-V3 with whole 128-blocks (`*-mla-blocks`, hidden 256: vLLM's block-FP8 MoE takes no partial block).
+    `kimi-linear` is transformers' Kimi-Linear: KDA and MLA layers, MoE with a shared expert.
     """
     import transformers as tf
 
@@ -86,6 +87,18 @@ def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 12
                                    q_lora_rank=96, **MLA_DIMS, routed_scaling_factor=2.827,
                                    max_position_embeddings=256, tie_word_embeddings=False,
                                    topk_method="noaux_tc", scoring_func="sigmoid")
+    if arch == "kimi-linear":
+        # Kimi-Linear: Kimi Delta Attention (linear attention) in three layers of four, MLA without q_lora_rank
+        # in the fourth (layer 2 here, with `layers` >= 3), a dense MLP in layer 0 and MoE with a shared expert
+        # after it. 3 KDA heads of 16: 48-row q/k/v, not divisible by 2 or 4 ranks in whole rows of 128 bytes.
+        kinds = ["linear_attention" if k % 4 != 2 else "full_attention" for k in range(layers)]
+        return tf.KimiLinearConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   moe_intermediate_size=24, num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+                                   qk_nope_head_dim=16, v_head_dim=16, num_experts=4, num_experts_per_token=2,
+                                   mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), layer_types=kinds,
+                                   linear_num_heads=3, linear_head_dim=16, max_position_embeddings=256,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     if arch == "bert":
         return tf.BertConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 8,
                              num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=128)

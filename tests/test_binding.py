@@ -213,3 +213,24 @@ def test_the_compile_key_tells_apart_bindings_that_trace_different_graphs(world_
     assert keys["every"] == keys["every-again"]  # the same graph: a cached one may be reused
     assert keys["every"] != keys["odd"]  # layers 1 and 3 only: other ops, other weights declared written
     assert keys["every", "own handle"] != keys["every-again", "own handle"]  # another handle is baked in
+
+
+def test_targets_bind_through_transformers_renamings_and_a_merged_key_is_refused_naming_both_names(
+        world_of_one, checkpoint_cache, tmp_path):
+    src = checkpoint_cache("kimi-linear", layers=4)
+    out, stacked = tmp_path / "preset", tmp_path / "stacked"
+    convert(src, out, 1, preset="kimi-linear")
+    binding = build_model(out, "cpu")
+    by_name = dict(binding.model.named_parameters())
+    targets = binding.target_parameters
+    # transformers loads the checkpoint's block_sparse_moe.* as mlp.*, and f_a_proj inside forget_gate
+    assert targets["model.layers.1.block_sparse_moe.shared_experts.up_proj.weight"] is by_name[
+        "model.layers.1.mlp.shared_experts.up_proj.weight"]
+    assert targets["model.layers.1.self_attn.f_a_proj.weight"] is by_name[
+        "model.layers.1.self_attn.forget_gate.f_a_proj.weight"]
+    binding.remove()
+    convert(src, stacked, 1, targets=["*.experts.*.w1.weight"])  # transformers merges these into one tensor
+    refusal = (r"tensor 'model\.layers\.1\.block_sparse_moe\.experts\.0\.w1\.weight' "
+               r"\(the model's name: 'model\.layers\.1\.mlp\.experts\.0\.w1\.weight'\) has no parameter")
+    with pytest.raises(RuntimeShardError, match=refusal):
+        build_model(stacked, "cpu")

@@ -61,9 +61,12 @@ def replicated_parameter_bytes(src, out, causal):
     """Bytes of the parameters transformers builds for the source's non-targets (its router may upcast to float32)."""
     import transformers
 
-    targets = {e.name for record in load_manifest(out).layers for e in record.entries}
+    from shardprep.runtime.hf_model import checkpoint_renaming
+
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     model = auto.from_pretrained(src)
+    renamed = checkpoint_renaming(model)  # Kimi-Linear's block_sparse_moe is its model's mlp
+    targets = {renamed(e.name) for record in load_manifest(out).layers for e in record.entries}
     return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name not in targets)
 
 
@@ -91,13 +94,14 @@ def check_memory(summary, out, replicated_params):
         ("deepseek-v3-mla", False, 2, {"preset": "deepseek-v3"}, ["hello world", "the model shard"]),
         ("kimi-k2-mla", True, 2, {"preset": "deepseek-v3"}, ["hello world", "the model shard", "gpu"]),
         ("deepseek-v3-mla-q-proj", False, 2, {"preset": "deepseek-v3"}, ["hello world", "the model shard"]),
+        ("kimi-linear", False, 2, {"preset": "kimi-linear"}, ["hello world", "the model shard", "gpu"]),
     ],
     ids=["llama-n2-idle-rank", "qwen3-moe-sharded-n4", "bert-all-layers-n2", "llama-even-layers-n2",
-         "deepseek-v3-n2", "kimi-k2-sharded-n2", "deepseek-v3-q-proj-n2"],
+         "deepseek-v3-n2", "kimi-k2-sharded-n2", "deepseek-v3-q-proj-n2", "kimi-linear-n2"],
 )
 def test_run_matches_transformers_bit_for_bit(checkpoint_cache, tmp_path, arch, sharded, nproc, convert_kw,
                                               prompts):
-    src = checkpoint_cache(arch, sharded=sharded, layers=4 if arch.endswith(("-mla", "-q-proj")) else 3)
+    src = checkpoint_cache(arch, sharded=sharded, layers=4 if arch.endswith(("-mla", "-q-proj", "-linear")) else 3)
     out = tmp_path / "out"
     convert(src, out, nproc, **convert_kw)
     saved = tmp_path / "outputs.pt"

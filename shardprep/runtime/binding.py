@@ -216,6 +216,7 @@ def bind(
     shards: RankShards,
     gatherer: LayerGatherer | None = None,
     layers: LayerModules | None = None,
+    model_name: Callable[[str], str] | None = None,
 ) -> Binding:
     """Hook `model` so that every manifest layer runs on the weights gathered for it.
 
@@ -224,7 +225,9 @@ def bind(
     and a sequence or {index: module} mapping gives the modules directly. A fused view
     (`qkv_proj`, `gate_up_proj`) binds to a fused parameter when the model has one, else its members
     bind one by one. Every target parameter is pointed at its view now, for good; the storage the model
-    had allocated for it is released. The first decoder layer begins each forward.
+    had allocated for it is released. The first decoder layer begins each forward. `model_name` gives the
+    model's name for a manifest (checkpoint) tensor name where the two differ (transformers renames some
+    checkpoint keys as it loads them: `hf_model.checkpoint_renaming`); None: the same names.
 
     >>> shards = open_rank("out/", rank=dist.get_rank())  # doctest: +SKIP
     >>> binding = bind(model, shards)  # doctest: +SKIP
@@ -235,9 +238,11 @@ def bind(
 
         gatherer = LayerGatherer(shards)
     manifest: Manifest = shards.manifest
-    modules, first = _layer_modules(model, manifest, layers)
+    renamed = model_name or _same_name
+    modules, first = _layer_modules(model, manifest, layers, renamed)
     order = list(gatherer.layers)
-    bound = [_bind_layer(manifest.layer(index), position, modules[index]) for position, index in enumerate(order)]
+    bound = [_bind_layer(manifest.layer(index), position, modules[index], renamed)
+             for position, index in enumerate(order)]
     _check_not_shared(model, bound)
     for layer in bound:
         for param, _ in layer.params:
@@ -245,8 +250,12 @@ def bind(
     return Binding(model, shards, gatherer, bound, first)
 
 
-def _layer_modules(model: nn.Module, manifest: Manifest,
-                   layers: LayerModules | None) -> tuple[dict[int, nn.Module], nn.Module]:
+def _same_name(name: str) -> str:
+    return name
+
+
+def _layer_modules(model: nn.Module, manifest: Manifest, layers: LayerModules | None,
+                   renamed: Callable[[str], str]) -> tuple[dict[int, nn.Module], nn.Module]:
     """{manifest layer index: its module}, and the model's first decoder layer (the one that begins a forward)."""
     indices = [r.layer for r in manifest.layers]
     if isinstance(layers, Mapping):
@@ -254,7 +263,8 @@ def _layer_modules(model: nn.Module, manifest: Manifest,
         if missing:
             raise RuntimeShardError(f"layers= has no module for manifest layer {missing[0]}")
         return {i: layers[i] for i in indices}, layers[min(layers)]
-    found: Any = _find_layer_list(model, manifest, layers) if layers is None or isinstance(layers, str) else layers
+    found: Any = (_find_layer_list(model, manifest, layers, renamed) if layers is None or isinstance(layers, str)
+                  else layers)
     try:
         return {i: found[i] for i in indices}, found[0]
     except IndexError:
@@ -264,14 +274,15 @@ def _layer_modules(model: nn.Module, manifest: Manifest,
         ) from None
 
 
-def _find_layer_list(model: nn.Module, manifest: Manifest, path: str | None) -> nn.Module:
+def _find_layer_list(model: nn.Module, manifest: Manifest, path: str | None,
+                     renamed: Callable[[str], str]) -> nn.Module:
     named = dict(model.named_modules())
     if path is not None:
         if path not in named:
             raise RuntimeShardError(f"layers={path!r}: the model has no submodule of that name")
         return named[path]
     first = manifest.layers[0]
-    prefix = _split_name(first.entries[0].name, first.layer)[0]
+    prefix = _split_name(renamed(first.entries[0].name), first.layer)[0]
     # The model's module names may lack (or add) the checkpoint's leading prefix, e.g. `bert.` when
     # a BertForMaskedLM checkpoint is loaded into a BertModel.
     candidates = [n for n, m in named.items() if isinstance(m, (nn.ModuleList, nn.Sequential))
@@ -294,22 +305,23 @@ def _split_name(name: str, layer: int) -> tuple[str, str]:
     raise RuntimeShardError(f"tensor {name!r} of layer {layer} has no `.{layer}.` component in its name")
 
 
-def _bind_layer(record: LayerRecord, position: int, module: nn.Module) -> BoundLayer:
+def _bind_layer(record: LayerRecord, position: int, module: nn.Module, renamed: Callable[[str], str]) -> BoundLayer:
     params: list[tuple[nn.Parameter, str]] = []
     covered: set[str] = set()
     for view in record.views:
-        param = _parameter(module, record, view.name)
+        param = _parameter(module, record, renamed(view.name))
         if param is not None:
             _check_param(param, view.name, view.dtype, view.shape)
             params.append((param, view.name))
             covered.update(view.members)
     for entry in record.entries:
-        param = _parameter(module, record, entry.name)
+        param = _parameter(module, record, renamed(entry.name))
         if param is None:
             if entry.name in covered:
                 continue
+            as_named = "" if renamed(entry.name) == entry.name else f" (the model's name: {renamed(entry.name)!r})"
             raise RuntimeShardError(
-                f"tensor {entry.name!r} has no parameter in the model's layer {record.layer} "
+                f"tensor {entry.name!r}{as_named} has no parameter in the model's layer {record.layer} "
                 f"({type(module).__name__}); was DIR converted from this architecture?"
             )
         _check_param(param, entry.name, entry.dtype, entry.shape)

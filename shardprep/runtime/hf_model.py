@@ -9,6 +9,7 @@ element: the targets' own storage is never allocated.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,9 +84,33 @@ def build_model(
     state_dict = dict(shards.load_replicated("cpu"))
     state_dict.update(_target_placeholders(shards))
     model = _from_state_dict(directory, config_dict, state_dict, trust_remote_code)
-    binding = bind(model, shards, gatherer)
+    binding = bind(model, shards, gatherer, model_name=checkpoint_renaming(model))
     model.to(device)
     return binding
+
+
+def checkpoint_renaming(model: torch.nn.Module) -> Callable[[str], str]:
+    """The model's name for a checkpoint tensor name: transformers (>= 5) renames some keys as it loads them
+    (Kimi-Linear's `block_sparse_moe.` becomes `mlp.`, its `self_attn.f_a_proj.` `self_attn.forget_gate.f_a_proj.`),
+    by the model's `WeightRenaming`s; keys that a `WeightConverter` merges (stacked experts) keep their name and
+    find no parameter. Where transformers has no such mapping, names are left as they are.
+
+    >>> bind(model, shards, model_name=checkpoint_renaming(model))  # doctest: +SKIP
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return lambda name: name
+    renamings = [t for t in get_model_conversion_mapping(model)  # type: ignore[arg-type]
+                 if isinstance(t, WeightRenaming)]
+
+    def renamed(name: str) -> str:
+        for renaming in renamings:  # in order, each on the last one's result, as transformers loads
+            name = renaming.rename_source_key(name)[0]
+        return name
+
+    return renamed
 
 
 def _read_config(directory: Path) -> dict[str, Any]:
