@@ -282,7 +282,7 @@ def _find_layer_list(model: nn.Module, manifest: Manifest, path: str | None,
             raise RuntimeShardError(f"layers={path!r}: the model has no submodule of that name")
         return named[path]
     first = manifest.layers[0]
-    prefix = _split_name(renamed(first.entries[0].name), first.layer)[0]
+    prefix = split_layer_name(renamed(first.entries[0].name), first.layer)[0]
     # The model's module names may lack (or add) the checkpoint's leading prefix, e.g. `bert.` when
     # a BertForMaskedLM checkpoint is loaded into a BertModel.
     candidates = [n for n, m in named.items() if isinstance(m, (nn.ModuleList, nn.Sequential))
@@ -296,8 +296,12 @@ def _find_layer_list(model: nn.Module, manifest: Manifest, path: str | None,
     return named[candidates[0]]
 
 
-def _split_name(name: str, layer: int) -> tuple[str, str]:
-    """`model.layers.3.self_attn.q_proj.weight`, 3 → (`model.layers`, `self_attn.q_proj.weight`)."""
+def split_layer_name(name: str, layer: int) -> tuple[str, str]:
+    """A manifest tensor name split around its layer index: the layer list's name and the name inside the layer.
+
+    >>> split_layer_name("model.layers.3.self_attn.q_proj.weight", 3)
+    ('model.layers', 'self_attn.q_proj.weight')
+    """
     parts = name.split(".")
     for k, part in enumerate(parts[:-1]):
         if k > 0 and part == str(layer):
@@ -330,7 +334,7 @@ def _bind_layer(record: LayerRecord, position: int, module: nn.Module, renamed: 
 
 
 def _parameter(module: nn.Module, record: LayerRecord, name: str) -> nn.Parameter | None:
-    rest = _split_name(name, record.layer)[1]
+    rest = split_layer_name(name, record.layer)[1]
     try:
         return module.get_parameter(rest)
     except AttributeError:

@@ -11,7 +11,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ...errors import ShardprepError
 from ...manifests.manifest import Manifest, load_manifest
-from ...runtime.binding import Binding
+from ...runtime.binding import Binding, split_layer_name
 from ...runtime.layer_ops import SPLITTING_OPS
 from . import compat
 from .full_mode import load_full
@@ -93,7 +93,7 @@ def bound_later(manifest: Manifest) -> Callable[[str], bool]:
     >>> is_target = bound_later(load_manifest("out/"))  # doctest: +SKIP
     >>> model_name_is_target = is_target("model.layers.1.self_attn.qkv_proj.weight")  # doctest: +SKIP
     """
-    inside = {_inside_layer(name, r.layer) for r in manifest.layers
+    inside = {(r.layer, split_layer_name(name, r.layer)[1]) for r in manifest.layers
               for name in [*(e.name for e in r.entries), *(v.name for v in r.views)]}
 
     def is_target(name: str) -> bool:
@@ -101,9 +101,3 @@ def bound_later(manifest: Manifest) -> Callable[[str], bool]:
         return any(p.isdigit() and (int(p), ".".join(parts[k + 1:])) in inside for k, p in enumerate(parts) if k)
 
     return is_target
-
-
-def _inside_layer(name: str, layer: int) -> tuple[int, str]:
-    parts = name.split(".")
-    k = next(k for k, p in enumerate(parts[:-1]) if k and p == str(layer))
-    return layer, ".".join(parts[k + 1:])
