@@ -35,6 +35,7 @@ class ShardprepModelLoader(BaseModelLoader):
         super().__init__(load_config)
         self.options = ShardprepLoadOptions.from_extra_config(load_config.model_loader_extra_config)
         self.binding: Binding | None = None
+        self._manifest: Manifest | None = None  # read once by create_model in sharded mode, used by load_weights
         self._without_storage: list[tuple[str, nn.Parameter]] = []
         self._bound_before_processing: dict[str, compat.ParameterPlace] = {}
 
@@ -44,7 +45,8 @@ class ShardprepModelLoader(BaseModelLoader):
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         if not self.options.shard_weights:
             return super().create_model(vllm_config, model_config, prefix)
-        with compat.target_weights_without_storage(bound_later(load_manifest(model_config.model))) as made:
+        self._manifest = load_manifest(model_config.model)
+        with compat.target_weights_without_storage(bound_later(self._manifest)) as made:
             model = super().create_model(vllm_config, model_config, prefix)
         self._without_storage = made
         return model
@@ -61,7 +63,7 @@ class ShardprepModelLoader(BaseModelLoader):
             return
         self.binding = load_sharded(model, directory, layout, compat.keep_plain_linear, self.options.verify,
                                     self.options.shard_group_size, self.options.allow_cross_node_groups,
-                                    refuse_post_processed=compat.refuse_post_processed)
+                                    refuse_post_processed=compat.refuse_post_processed, manifest=self._manifest)
         self._bound_before_processing = compat.bound_places(model, self.binding.target_parameters)
         bound = {id(param) for param in self.binding.target_parameters.values()}
         unbound = [name for name, param in self._without_storage if id(param) not in bound]

@@ -76,6 +76,7 @@ def load_sharded(
     group_size: int | None = None,
     allow_cross_node_groups: bool = False,
     refuse_post_processed: Callable[[nn.Module, Mapping[str, nn.Parameter]], None] | None = None,
+    manifest: Manifest | None = None,
 ) -> Binding:
     """Bind `model`'s targets to this DP rank's shards and load its other weights; returns the binding.
 
@@ -83,11 +84,11 @@ def load_sharded(
     `refuse_post_processed(model, bound)` raises for a bound parameter that the server transforms after
     loading; then `keep_plain_linear(module)` is called for every module that owns a bound parameter. Both
     run before vLLM post-processes the weights. `group_size` and `allow_cross_node_groups` are the user's
-    `shard_group_size` and `allow_cross_node_groups` options.
+    `shard_group_size` and `allow_cross_node_groups` options; `manifest`, DIR's if already read.
 
     >>> binding = load_sharded(model, "out/", compat.current_layout(), compat.keep_plain_linear)  # doctest: +SKIP
     """
-    manifest = load_manifest(directory)
+    manifest = load_manifest(directory) if manifest is None else manifest
     check_layout(layout, manifest, directory, group_size)
     if tuple(layout.dp_world_ranks) != tuple(range(torch.distributed.get_world_size())):
         # Shard groups divide the world: with TP = PP = 1 vLLM's world is the DP ranks, in DP rank order.
