@@ -329,7 +329,7 @@ def target_weights_without_storage(is_target: Callable[[str], bool]) -> Iterator
     parameter class and attributes as vLLM's own `materialize_meta_tensor` does: a `meta` parameter
     could not be pointed at device memory later (`param.data = ...` refuses to change the tensor
     type), which is what `bind` does. Quantized targets are built as vLLM builds them (sharded mode
-    refuses them later, in `keep_plain_linear`).
+    refuses them later, in `refuse_post_processed`).
 
     >>> with target_weights_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
     ...     model = initialize_model(vllm_config=vllm_config)
