@@ -2,7 +2,7 @@
 
 Every checkpoint a test converts comes from here, so the tests read files that something other than
 shardprep wrote. The only thing shardprep-specific that a test may add on top is block-FP8
-quantization (tests/fp8_fixture.py).
+quantization (tests/fp8_fixture.py), which the command line's `--fp8` applies for README's quick start.
 """
 
 from __future__ import annotations
@@ -173,8 +173,9 @@ def read_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
 
 
 if __name__ == "__main__":
-    # `python tests/checkpoints.py DIR [--arch deepseek-v3]`: the README's example checkpoint.
+    # `python tests/checkpoints.py DIR [--arch deepseek-v3] [--fp8]`: the README's example checkpoint.
     import argparse
+    import tempfile
 
     ap = argparse.ArgumentParser(description="Write a tiny random HF checkpoint with transformers' save_pretrained.")
     ap.add_argument("directory")
@@ -182,6 +183,19 @@ if __name__ == "__main__":
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--sharded", action="store_true")
+    ap.add_argument("--fp8", action="store_true",
+                    help="then quantize every projection to block FP8 as DeepSeek-V3's checkpoints are (128x128 "
+                         "blocks, float32 weight_scale_inv = amax/448, config.json's quantization_config), with "
+                         "tests/fp8_fixture.py")
     a = ap.parse_args()
-    path = make_checkpoint(a.directory, a.arch, layers=a.layers, hidden=a.hidden, sharded=a.sharded)
-    print(f"wrote a tiny random {a.arch} checkpoint to {path}")
+    if not a.fp8:
+        path = make_checkpoint(a.directory, a.arch, layers=a.layers, hidden=a.hidden, sharded=a.sharded)
+        print(f"wrote a tiny random {a.arch} checkpoint to {path}")
+    else:
+        from fp8_fixture import quantize_checkpoint_fp8
+
+        # save_pretrained writes bfloat16; the quantizer reads that copy and writes DIR (it cannot rewrite in place).
+        with tempfile.TemporaryDirectory(prefix="shardprep-bf16-") as bf16:
+            make_checkpoint(bf16, a.arch, layers=a.layers, hidden=a.hidden, sharded=a.sharded)
+            path = quantize_checkpoint_fp8(bf16, a.directory)
+        print(f"wrote a tiny random {a.arch} checkpoint in block FP8 (128x128 blocks) to {path}")
