@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -78,9 +78,22 @@ def convert_command(
             f"{rank_files_phrase(summary)}; "
             f"{summary.replicated_tensors} replicated tensors "
             f"({human_bytes(summary.replicated_bytes)}, {len(summary.linked_files)} files linked); "
-            + (f"{summary.requantized_tensors} tensors requantized; " if summary.requantized_tensors else "")
-            + f"{summary.seconds:.1f} s"
+            f"{summary.seconds:.1f} s"
         )
+        if summary.quantization:
+            typer.echo(_requant_line(summary.requantized_tensors, summary.quantization))
+
+
+def _requant_line(rewritten_tensors: int, record: dict[str, Any]) -> str:
+    """What the requant did, from the summary's tensor count and its `quantization` (the manifest's record)."""
+    # The summary counts rewritten tensors: each requantized weight and its weight_scale_inv
+    # (tests/test_convert_requant.py holds it to twice the weights).
+    weights = rewritten_tensors // 2
+    block = "×".join(str(b) for b in record["block"])
+    scope = ", targets only" if record["scope"] == "targets" else ""
+    scales = "F8_E8M0 tensors" if record["scale_format"] == "e8m0" else "float32 powers of two"
+    return (f"requantized {weights} block-FP8 weights ({block} blocks{scope}) to UE8M0 scales ({scales}), "
+            f"{record['recipe']} recipe")
 
 
 def _print_dry_run(plan: dict) -> None:
