@@ -18,6 +18,7 @@ import shardprep.prep.file_ranges as file_ranges
 import shardprep.prep.safetensors_writer as safetensors_writer
 import shardprep.prep.writeback as writeback_module
 from shardprep.errors import OutputError
+from shardprep.manifests.checksums import file_digest, file_hasher
 from shardprep.prep.convert import convert
 from shardprep.prep.safetensors_writer import FileRange, OutTensor, write_safetensors
 from shardprep.prep.source import open_source
@@ -40,6 +41,19 @@ def test_adjacent_tensors_of_a_file_are_copied_in_one_kernel_call(checkpoint_cac
         for t in kept:
             assert torch.equal(f.get_tensor(t.name).view(torch.uint8), g.get_tensor(t.name).view(torch.uint8))
         assert f.get_tensor("in.memory").tolist() == [1, 2, 3, 4, 5]
+
+
+def test_the_checksum_taken_while_writing_is_the_written_files(checkpoint_cache, tmp_path, monkeypatch):
+    # Ranges copied by the kernel are read back in blocks smaller than the runs; memory is hashed in place.
+    monkeypatch.setattr(safetensors_writer, "COPY_PIECE", 4096)
+    ckpt = open_source(checkpoint_cache("llama"))
+    (sf,) = ckpt.files.values()
+    by_offset = sorted((ckpt.tensors[n] for n in sf.tensors), key=lambda t: t.start)
+    out = [OutTensor(t.name, t.dtype, t.shape, FileRange(sf.path, t.start, t.nbytes)) for t in by_offset[:4]]
+    out.insert(2, OutTensor("in.memory", "U8", (5,), lambda: np.arange(5, dtype=np.uint8)))
+    hasher = file_hasher()
+    write_safetensors(tmp_path / "x.safetensors", out, {"format": "pt"}, hasher=hasher)
+    assert hasher.hexdigest() == file_digest(tmp_path / "x.safetensors")[1]
 
 
 def written_through(tmp_path, monkeypatch, vmsplice) -> bytes:

@@ -33,12 +33,21 @@ def joined_digest(parts: Iterable[Any]) -> str:
     >>> joined_digest([b"ab", memoryview(b"cd")]) == digest(b"abcd")
     True
     """
-    import xxhash
-
-    hasher = xxhash.xxh3_128(seed=HASH_SEED)
+    hasher = file_hasher()
     for part in parts:
         hasher.update(part)
     return hasher.hexdigest()
+
+
+def file_hasher() -> Any:
+    """A streaming XXH3-128 (seed 0): `update(bytes-like)` in order, then `hexdigest()`, as `digest` gives.
+
+    >>> h = file_hasher(); h.update(b"ab"); h.update(b"cd"); h.hexdigest() == digest(b"abcd")
+    True
+    """
+    import xxhash
+
+    return xxhash.xxh3_128(seed=HASH_SEED)
 
 
 def file_digest(path: str | Path, block: int = BLOCK_BYTES) -> tuple[int, str]:
@@ -46,9 +55,7 @@ def file_digest(path: str | Path, block: int = BLOCK_BYTES) -> tuple[int, str]:
 
     >>> file_digest("out/config.json")  # doctest: +SKIP
     """
-    import xxhash
-
-    hasher = xxhash.xxh3_128(seed=HASH_SEED)
+    hasher = file_hasher()
     with open_for_reading(path) as fd:
         size = os.fstat(fd).st_size
         for _, piece in iter_blocks(fd, 0, size, path, block):

@@ -23,7 +23,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import OutputError
-from ..manifests.checksums import digest, file_digest
+from ..manifests.checksums import digest, file_digest, file_hasher
 from ..manifests.exact_read import pread_exact
 from ..manifests.layout import chunk_range
 from ..manifests.manifest import (
@@ -253,14 +253,19 @@ class _ReplicatedWriter:
             else:
                 st = self.plan.source.tensors[spec.name]
                 out.append(OutTensor(spec.name, spec.dtype, spec.shape, FileRange(sf.path, st.start, st.nbytes)))
+        # Hashed as it is written: the requantized tensors are hashed from memory, not read back.
+        hasher = file_hasher()
         with writing(dest):
-            write_safetensors(dest, out, sf.metadata, progress=self.tracker, writeback=self.writeback)
+            write_safetensors(dest, out, sf.metadata, progress=self.tracker, writeback=self.writeback,
+                              hasher=hasher)
             _keep_mode(sf.path, dest)
-        self._digest(f.out_name)
+        self._record(f.out_name, os.stat(dest).st_size, hasher.hexdigest())
         return False, [spec.name for spec in f.tensors]
 
     def _digest(self, rel: str) -> None:
-        size, hexdigest = file_digest(self.directory / rel)
+        self._record(rel, *file_digest(self.directory / rel))
+
+    def _record(self, rel: str, size: int, hexdigest: str) -> None:
         self.digests[Path(rel).as_posix()] = FileRecord(Path(rel).as_posix(), size, hexdigest)
 
     def write_index(self, results: dict[str, tuple[bool, list[str]] | None]) -> tuple[list[str], list[str], int, int]:
