@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 
 import jsonschema
 import pytest
@@ -110,3 +111,26 @@ def test_fused_view_must_cover_members_contiguously():
     layer["views"] = [{"name": "fused", "dtype": "BF16", "shape": [8, 3], "offset": 0, "members": names}]
     with pytest.raises(ManifestError, match="fused view 'fused'"):
         Manifest.from_dict(copy.deepcopy(data))
+
+
+def test_a_manifest_read_again_is_the_same_and_any_changed_byte_is_checked_again(tmp_path, monkeypatch):
+    from shardprep.manifests import load_manifest
+    from shardprep.manifests import manifest as manifest_module
+    from shardprep.prep.writer import write_manifest
+
+    write_manifest(tmp_path, Manifest.from_dict(small_manifest()))
+    first = load_manifest(tmp_path)
+    first.source["path"] = "changed by a caller"  # a caller's copy: the next read must not see it
+    parsed = []
+    real = manifest_module.parse_json
+    monkeypatch.setattr(manifest_module, "parse_json", lambda *a, **k: parsed.append(1) or real(*a, **k))
+    again = load_manifest(tmp_path)
+    assert again == Manifest.from_dict(small_manifest()) and again.source["path"] == "/models/m"
+    assert parsed == []  # the same bytes: not parsed again
+    path = tmp_path / "shard_manifest.json"
+    stat = path.stat()
+    path.write_bytes(path.read_bytes().replace(b'"world_size": 2', b'"world_size": 3'))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size, same time: only the bytes differ
+    with pytest.raises(ManifestError):
+        load_manifest(tmp_path)
+    assert parsed == [1]
