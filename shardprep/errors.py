@@ -58,5 +58,10 @@ class RuntimeShardError(ShardprepError):
     """The runtime cannot load or gather as asked (rank mismatch, collective misalignment, ...)."""
 
 
+class OptionsMismatchError(RuntimeShardError):
+    """The ranks of one launch were started with different options; every rank raises the same message, which
+    names the option and the ranks and nodes on each side."""
+
+
 class ProfileError(ShardprepError):
     """A profile file is unreadable, of another schema, or does not describe the model being planned."""

@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
@@ -24,16 +24,23 @@ def debug_enabled() -> bool:
     return os.environ.get("SHARDPREP_DEBUG", "") not in ("", "0")
 
 
+def print_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
 @contextmanager
-def cli_errors() -> Iterator[None]:
-    """Turn ShardprepError (and common OS errors) into `error: ...` and exit code 2; --debug re-raises."""
+def cli_errors(report: Callable[[str], None] = print_error) -> Iterator[None]:
+    """Turn ShardprepError (and common OS errors) into `error: ...` and exit code 2; --debug re-raises.
+
+    `report` says the message (default: prints `error: ...` on stderr).
+    """
     try:
         yield
     except (ShardprepError, OSError) as exc:
         if debug_enabled():
             raise
         msg = str(exc) if isinstance(exc, ShardprepError) else f"{exc.filename or ''}: {exc.strerror or exc}"
-        print(f"error: {msg}", file=sys.stderr)
+        report(msg)
         raise typer.Exit(EXIT_ERROR) from None
     except KeyboardInterrupt as exc:
         cause = f" by {exc.args[0]}" if exc.args else ""

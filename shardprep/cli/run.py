@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ._errors import cli_errors
+from ._errors import EXIT_ERROR, cli_errors, print_error
 from ._format import human_bytes
 
 if TYPE_CHECKING:
@@ -78,17 +78,37 @@ def run_command(
 
     options = RunOptions(directory, tuple(prompt or (DEFAULT_PROMPT,)), max_new_tokens, device.value, backend.value,
                          save_outputs, json_out, trust_remote_code, shard_group_size, allow_cross_node_groups)
-    with cli_errors():
-        report = run(options, nproc, nnodes, node_rank, rdzv_endpoint)
+    worker = is_torchrun_worker()
+    with cli_errors(report_worker_failure if worker else print_error):
+        report = run(options, nproc, nnodes, node_rank, rdzv_endpoint, on_peer_failure=leave_with_peer_failure)
     if report is not None:
         print_report(report, json_out)
-    if is_torchrun_worker():
+    if worker:
         # A worker whose job is done leaves without interpreter teardown: destroying torch's gloo process
         # group objects during it raced with their C++ threads ("terminate called without an active
         # exception", abort, about one run in six of tests/test_run.py), failing a run that had finished.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def report_worker_failure(line: str) -> None:
+    """A worker's failure line: handed to its agent, which prints it (`shardprep run`: one line per node, not
+    one per rank), or printed here too under another launcher (torchrun prints only its own summary)."""
+    from ..runtime.launch import AGENT_PRINTS_FAILURES, hand_to_agent
+
+    hand_to_agent(line)
+    if not os.environ.get(AGENT_PRINTS_FAILURES):
+        print_error(line)
+
+
+def leave_with_peer_failure(line: str) -> None:
+    """Another rank failed first (called from the runner's watching thread): report its line and end this
+    process now, whatever its main thread is blocked in."""
+    report_worker_failure(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_ERROR)
 
 
 def print_report(report: RunReport, as_json: bool) -> None:

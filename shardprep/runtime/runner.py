@@ -13,16 +13,18 @@ returns the results (the CLI prints them) and saves the outputs.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import RuntimeShardError
+from ..errors import OptionsMismatchError, RuntimeShardError, ShardprepError
 from ..manifests.manifest import MANIFEST_NAME, Manifest, load_manifest
 from ..manifests.shard_groups import ShardGroups, group_size_problem
-from .launch import Nodes
+from .launch import FailureBoard, Nodes
 
 if TYPE_CHECKING:
     import torch
@@ -179,20 +181,20 @@ def is_torchrun_worker() -> bool:
 
 
 def run(options: RunOptions, nproc: int | None = None, nnodes: int | None = None, node_rank: int | None = None,
-        rdzv_endpoint: str | None = None) -> RunReport | None:
+        rdzv_endpoint: str | None = None, on_peer_failure: Callable[[str], None] | None = None) -> RunReport | None:
     """Run `options` as a worker when started by torchrun (WORLD_SIZE set), else launch this node's workers.
 
     A worker returns its rank's `run_worker` result (the report on rank 0); the launcher returns None
     once every worker succeeded (each worker's CLI printed its part). `nproc` (ranks per node) defaults
     to the manifest's N; `nnodes` (default 1), `node_rank` (default 0) and `rdzv_endpoint` (node 0's
     HOST:PORT) place this node among the others. Under torchrun, the launch options given must be
-    torchrun's own.
+    torchrun's own. `on_peer_failure`: see `run_worker`.
 
     >>> report = run(RunOptions(Path("out/"), prompts=("hello world",), max_new_tokens=8))  # doctest: +SKIP
     """
     if is_torchrun_worker():
         _check_torchrun_agrees(nproc, nnodes, node_rank, rdzv_endpoint)
-        return run_worker(options)
+        return run_worker(options, on_peer_failure)
     launch(options, nproc, Nodes(nnodes or 1, node_rank or 0, rdzv_endpoint))
     return None
 
@@ -275,10 +277,13 @@ def check_options(options: RunOptions, nproc: int | None = None, nodes: Nodes | 
     return manifest
 
 
-def run_worker(options: RunOptions) -> RunReport | None:
+def run_worker(options: RunOptions, on_peer_failure: Callable[[str], None] | None = None) -> RunReport | None:
     """One rank of a run, in a process started by torchrun (or `launch`); rank 0 saves the outputs.
 
-    Returns the report on rank 0, None on the other ranks.
+    Returns the report on rank 0, None on the other ranks. Whatever fails on this rank raises one
+    RuntimeShardError naming the launch's first failure: rank, node and message (`FailureBoard`); a failure
+    first seen on another rank calls `on_peer_failure(line)` from a watching thread instead, at once (the
+    CLI reports the line and ends the process, whose collectives could only break or hang now).
 
     >>> run_worker(RunOptions(Path("out/")))  # doctest: +SKIP
     """
@@ -291,13 +296,20 @@ def run_worker(options: RunOptions) -> RunReport | None:
     manifest = check_run_dir(options.directory)
     group_size = check_group_size(options, manifest, int(os.environ["WORLD_SIZE"]))
     rank, world_size, device = init_local_rank(options.device)
+    board = FailureBoard.join(on_peer_failure)
     try:
+        check_same_options(options)
         # Every rank builds (or refuses) the same groups before anything is gathered.
         group = shard_group(group_size, allow_cross_node_groups=options.allow_cross_node_groups)
         results, info = _serve(options, device, group)
         gathered: list[Any] = [None] * world_size if rank == 0 else []
         dist.gather_object((results, info), gathered if rank == 0 else None, dst=0)
+    except Exception as exc:
+        # Recorded before destroy_process_group closes this rank's sockets: a peer whose collective breaks
+        # on them finds the cause on the board, and reports it instead of its "Connection closed by peer".
+        raise RuntimeShardError(board.record(_failure_line(exc, rank))) from exc
     finally:
+        board.close()
         dist.destroy_process_group()
     if rank != 0:
         return None
@@ -306,6 +318,81 @@ def run_worker(options: RunOptions) -> RunReport | None:
         outputs = [r.output for r in everything]
         torch.save(outputs[0] if len(outputs) == 1 else outputs, options.save_outputs)
     return RunReport(everything, [m for _, m in gathered], group_size)
+
+
+def _failure_line(exc: Exception, rank: int) -> str:
+    if isinstance(exc, OptionsMismatchError):  # raised alike on every rank, and names the ranks itself
+        return str(exc)
+    text = str(exc).strip()
+    what = text if isinstance(exc, ShardprepError) else f"{type(exc).__name__}: {text}"
+    return f"rank {rank} (node {_node()}) failed first: {what.splitlines()[0] if what else type(exc).__name__}"
+
+
+def _node() -> int:
+    return int(os.environ.get("GROUP_RANK", "0"))
+
+
+def agreed_options(options: RunOptions) -> dict[str, Any]:
+    """What every rank of a launch must run with, by flag (torchrun's convention: one command line for all).
+
+    Each of these decides a rank's gathers or the run's outputs: the prompts and --max-new-tokens (and
+    --save-outputs, whose extra forward per prompt is in every rank's budget) set how many forwards, so how
+    many gathers, each rank of a group makes; --save-outputs given on node 0 alone would also leave None
+    for every prompt that ran elsewhere. --nproc-per-node places the ranks (node k holds k·P..k·P+P-1).
+    Left out: DIR itself, which each node holds at a path of its own (a copy, or a mount); its
+    shard_manifest.json stands for it, byte for byte. And --node-rank, the one option that differs by
+    design (torchrun gives each rank its own RANK, LOCAL_RANK, GROUP_RANK).
+    """
+    manifest = (options.directory / MANIFEST_NAME).read_bytes()
+    return {
+        f"DIR ({MANIFEST_NAME} sha256)": hashlib.sha256(manifest).hexdigest()[:16],
+        "--prompt": options.prompts,
+        "--max-new-tokens": options.max_new_tokens,
+        "--save-outputs": None if options.save_outputs is None else str(options.save_outputs),
+        "--device": options.device,
+        "--backend": options.backend,
+        "--shard-group-size": options.group_size,
+        "--allow-cross-node-groups": options.allow_cross_node_groups,
+        "--json": options.json,
+        "--trust-remote-code": options.trust_remote_code,
+        "--nproc-per-node": os.environ.get("LOCAL_WORLD_SIZE"),
+    }
+
+
+def check_same_options(options: RunOptions) -> None:
+    """Refuse, on every rank alike, a launch whose ranks were started with different options (collective).
+
+    >>> check_same_options(RunOptions(Path("out/")))  # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    mine = (_node(), agreed_options(options))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for flag, value in mine[1].items():
+        sides: dict[str, list[tuple[int, int]]] = {}  # the flag's value, as the user reads it -> (rank, node)
+        for rank, (node, agreed) in enumerate(everyone):
+            sides.setdefault(_given(agreed[flag]), []).append((rank, node))
+        if len(sides) > 1:
+            where = " but ".join(f"{value} on {_ranks_and_nodes(ranks)}" for value, ranks in sides.items())
+            raise OptionsMismatchError(f"the ranks were started with different options: {flag} is {where}; start "
+                                       "every node with the same options (only DIR's path and --node-rank may "
+                                       "differ)")
+
+
+def _given(value: Any) -> str:
+    if value is None or value is False:
+        return "not given"
+    if value is True:
+        return "given"
+    text = repr(list(value)) if isinstance(value, tuple) else str(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _ranks_and_nodes(ranks: list[tuple[int, int]]) -> str:
+    nodes = sorted({node for _, node in ranks})
+    return (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r, _ in ranks)} "
+            f"(node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})")
 
 
 def forwards_per_rank(prompts: int, world_size: int, ranks: tuple[int, ...]) -> int:
