@@ -385,8 +385,10 @@ def _given(value: Any) -> str:
         return "not given"
     if value is True:
         return "given"
-    text = repr(list(value)) if isinstance(value, tuple) else str(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
+    if not isinstance(value, tuple):
+        return str(value)
+    prompts = repr(list(value))  # all of them could fill a screen
+    return prompts if len(prompts) <= 60 else f"{prompts[:56]}...] ({len(value)} prompts)"
 
 
 def _ranks_and_nodes(ranks: list[tuple[int, int]]) -> str:
