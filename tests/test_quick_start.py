@@ -53,11 +53,13 @@ def test_readme_quick_start_converts_a_block_fp8_checkpoint_and_says_what_it_req
     source = tmp_path / commands[0][2]
     with safe_open(source / "model.safetensors", "pt") as f:
         names = set(f.keys())
-    fp8_weights = [n for n in names if n + "_scale_inv" in names]
+        fp8_weights = [n for n in names if n + "_scale_inv" in names]
+        blocks = sum(f.get_slice(n + "_scale_inv").get_shape()[0] * f.get_slice(n + "_scale_inv").get_shape()[1]
+                     for n in fp8_weights)
     assert fp8_weights
     requant_line = next(line for line in converted.splitlines() if line.startswith("requantized "))
-    assert requant_line == (f"requantized {len(fp8_weights)} block-FP8 weights (128×128 blocks) to UE8M0 scales "
-                            "(float32 powers of two), sglang recipe")
+    assert requant_line == (f"requantized {len(fp8_weights)} block-FP8 weights ({blocks} 128×128 blocks) to UE8M0 "
+                            "scales (float32 powers of two), sglang recipe")
     assert requant_line == readme_line
     assert validated.startswith("valid: out")
     assert "'recipe': 'sglang'" in inspected

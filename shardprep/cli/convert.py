@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..prep.convert import CopyMode
+from ..prep.convert import ConvertSummary, CopyMode
 from ..prep.requant_jobs import RequantMode, RequantRecipe, RequantScope, ScaleFormat
 from ._errors import cli_errors, stop_signals_interrupt
 from ._format import ChunkAlignment, byte_progress, human_bytes, print_json, rank_files_phrase
@@ -81,19 +81,17 @@ def convert_command(
             f"{summary.seconds:.1f} s"
         )
         if summary.quantization:
-            typer.echo(_requant_line(summary.requantized_tensors, summary.quantization))
+            typer.echo(_requant_line(summary))
 
 
-def _requant_line(rewritten_tensors: int, record: dict[str, Any]) -> str:
-    """What the requant did, from the summary's tensor count and its `quantization` (the manifest's record)."""
-    # The summary counts rewritten tensors: each requantized weight and its weight_scale_inv
-    # (tests/test_convert_requant.py holds it to twice the weights).
-    weights = rewritten_tensors // 2
+def _requant_line(summary: ConvertSummary) -> str:
+    """What the requant did, from the summary's counts and its `quantization` (the manifest's record)."""
+    record: dict[str, Any] = summary.quantization or {}
     block = "×".join(str(b) for b in record["block"])
     scope = ", targets only" if record["scope"] == "targets" else ""
     scales = "F8_E8M0 tensors" if record["scale_format"] == "e8m0" else "float32 powers of two"
-    return (f"requantized {weights} block-FP8 weights ({block} blocks{scope}) to UE8M0 scales ({scales}), "
-            f"{record['recipe']} recipe")
+    return (f"requantized {summary.requantized_weights} block-FP8 weights ({summary.requantized_blocks} "
+            f"{block} blocks{scope}) to UE8M0 scales ({scales}), {record['recipe']} recipe")
 
 
 def _print_dry_run(plan: dict) -> None:
@@ -108,5 +106,5 @@ def _print_dry_run(plan: dict) -> None:
         f"dry run, nothing written: {plan['target_tensors']} targets, Σ|T| = {human_bytes(plan['sharded_bytes'])} "
         f"in {n} rank files of {human_bytes(plan['rank_file_bytes'])}; per rank resident "
         f"{human_bytes(memory['resident_bytes'])} (R/N + slots) instead of {human_bytes(plan['sharded_bytes'])}, "
-        f"saved {human_bytes(memory['saved_bytes'])}; {plan['requantized_tensors']} tensors to requantize"
+        f"saved {human_bytes(memory['saved_bytes'])}; {plan['requantized_weights']} block-FP8 weights to requantize"
     )

@@ -7,6 +7,7 @@ that replaces OUT atomically only once the manifest, written last, is on disk.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,7 +52,9 @@ class ConvertSummary:
     replicated_bytes: int
     linked_files: list[str]
     copied_files: list[str]
-    requantized_tensors: int = 0
+    requantized_tensors: int = 0  # weights and their scales: every tensor the requant rewrites
+    requantized_weights: int = 0
+    requantized_blocks: int = 0  # 128×128 blocks, one scale each, over the requantized weights
     quantization: dict[str, Any] | None = None
     seconds: float = 0.0
     dry_run: bool = False
@@ -149,6 +152,8 @@ def _summary(out: Path, plan: ConvertPlan, t0: float, *, dry_run: bool = False, 
         linked_files=list(linked),
         copied_files=list(copied),
         requantized_tensors=len(plan.rewritten),
+        requantized_weights=len(plan.requant.jobs) if plan.requant else 0,
+        requantized_blocks=sum(math.prod(job.scale.shape) for job in plan.requant.jobs.values()) if plan.requant else 0,
         quantization=plan.requant.manifest_record if plan.requant else None,
         seconds=time.perf_counter() - t0,
         dry_run=dry_run,

@@ -216,6 +216,7 @@ class ConvertPlan:
             "rank_file_bytes": self.rank_file_bytes,
             "alignment_padding_bytes": self.alignment_padding_bytes,
             "requantized_tensors": len(self.rewritten),
+            "requantized_weights": len(self.requant.jobs) if self.requant else 0,
             "replicated_files": {f.out_name: ("unchanged" if f.tensors is None else
                                               "dropped" if not f.tensors else "rewritten")
                                  for f in self.replicated},
