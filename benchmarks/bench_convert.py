@@ -1,6 +1,6 @@
 """convert vs `cp -r` of the same checkpoint, side by side in one run, with convert's peak RSS.
 
-    python3 benchmarks/bench_convert.py --size-gb 1.2 --runs 5 [--fp8]
+    python3 benchmarks/bench_convert.py --size-gb 1.2 --runs 5 [--fp8] [--baseline /path/to/other/checkout]
     python3 benchmarks/bench_convert.py --many-tensors 4000,16000,44500,64000
 
 What is timed, for every contender alike: from the start of the command (a fresh process: for convert,
@@ -18,6 +18,9 @@ scales, and convert requantizes every one of them to UE8M0.
 --many-tensors N1,N2,... measures how convert's time grows with the tensor count: for each N, a
 checkpoint of 61 DeepSeek-V3-named layers holding N block-FP8 weights of 128×128 (routed experts, as
 DeepSeek-V3's ~44.5k), converted --runs times; it reports the median time per weight.
+
+--baseline DIR adds "convert (baseline)": the same convert (copy mode) of another shardprep checkout
+(main, say, from `git archive`), in the same rounds, so a before/after ratio comes from one run.
 """
 
 from __future__ import annotations
@@ -199,8 +202,8 @@ def timed(cmd: list[str], dest: Path) -> dict:
     return {"seconds": t2 - t0, "command": t1 - t0, "sync": t2 - t1, "cpu": cpu, "stdout": proc.stdout}
 
 
-def convert_cmd(src: Path, dest: Path, args: argparse.Namespace, copy_mode: str) -> list[str]:
-    code = CONVERT.format(repo=str(REPO), src=str(src), out=str(dest), ranks=args.ranks, preset="deepseek-v3",
+def convert_cmd(src: Path, dest: Path, args: argparse.Namespace, copy_mode: str, repo: Path = REPO) -> list[str]:
+    code = CONVERT.format(repo=str(repo), src=str(src), out=str(dest), ranks=args.ranks, preset="deepseek-v3",
                           copy_mode=copy_mode, workers=args.workers)
     return [sys.executable, "-c", code]
 
@@ -215,6 +218,8 @@ def compare_with_cp(args: argparse.Namespace, scratch: Path) -> dict:
         "convert (copy)": lambda dest: convert_cmd(src, dest, args, "copy"),
         "convert (link)": lambda dest: convert_cmd(src, dest, args, "auto"),
     }
+    if args.baseline:
+        contenders["convert (baseline)"] = lambda dest: convert_cmd(src, dest, args, "copy", args.baseline.resolve())
     if args.fp8:
         # The first convert on a machine compiles the lookup kernels into numba's cache: not a per-run cost.
         warm = scratch / "warm-up"
@@ -305,6 +310,7 @@ def main() -> None:
     ap.add_argument("--many-tensors", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     metavar="N1,N2,...", help="time per tensor at these block-FP8 weight counts")
     ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--baseline", type=Path, default=None, help="another shardprep checkout to convert with too")
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir under /tmp)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()

@@ -14,8 +14,9 @@ Each run starts a fresh Python process per checkout and times (wall, and the pro
 shared machine's other load disturbs less), from inside it:
 - import: `from shardprep.manifests import load_manifest`;
 - first: the first `load_manifest(A)` of the process (jsonschema's import included, the file warm);
-- later: `load_manifest(A)` again, and `load_manifest(B)` (another manifest of that size), `--repeat`
-  times each (the median is reported).
+- later: `load_manifest(A)` again, `--repeat` times, and `load_manifest` of `--repeat` copies of B
+  (another manifest of that size), each at a path the process has not read (load_manifest keeps the
+  manifests it read, by path and bytes); the medians are reported.
 Then, timed from outside (interpreter start and every import included): `python3 -m shardprep validate
 --manifest-only A`, for the checkout under test only (the baseline may not have the flag).
 
@@ -30,6 +31,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -100,11 +102,13 @@ imported = timed(lambda: __import__("shardprep.manifests"))
 from shardprep.manifests import load_manifest
 first = timed(lambda: load_manifest({a!r}))
 
-def later(path):
-    times = [timed(lambda: load_manifest(path)) for _ in range({repeat})]
+def later(paths):
+    times = [timed(lambda: load_manifest(path)) for path in paths]
     return statistics.median(w for w, _ in times), statistics.median(c for _, c in times)
 
-same, other = later({a!r}), later({b!r})
+# "another": copies of B at paths not read before in this process, each read once (load_manifest keeps
+# the manifests it read, so B read again would be "same").
+same, other = later([{a!r}] * {repeat}), later([f"{b}-{{i}}" for i in range({repeat})])
 print(json.dumps({{"import": imported[0], "first": first[0], "later_same": same[0], "later_other": other[0],
                   "import_cpu": imported[1], "first_cpu": first[1], "later_same_cpu": same[1],
                   "later_other_cpu": other[1]}}))
@@ -152,6 +156,8 @@ def main() -> None:
         entries = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                  env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.split()
         sizes = [(p / "shard_manifest.json").stat().st_size for p in (a, b)]
+        for i in range(args.repeat):
+            shutil.copytree(b, f"{b}-{i}")
         checkouts = {"this": REPO, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
         cli: list[tuple[float, float]] = []
