@@ -205,30 +205,34 @@ def node_command(launcher, out, node_rank, port, saved):
             *worker]
 
 
+def run_at_once(commands, env, timeout=300):
+    """Start every command (the nodes of one launch) and wait for all: (exit code, stdout, stderr) of each."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for c in commands]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
 @pytest.mark.parametrize("launcher", ["shardprep", "torchrun"])
 def test_two_nodes_of_two_ranks_each_with_its_own_copy_match_transformers(groups_case, tmp_path, launcher):
     src, out, want = groups_case
     saved = tmp_path / "outputs.pt"  # written by rank 0, on node 0
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    procs = []
-    for node in range(2):
-        copy = shutil.copytree(out, tmp_path / f"node{node}" / "out")  # what each node holds: its own OUT
-        procs.append(subprocess.Popen(node_command(launcher, copy, node, port, saved), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env))
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=300))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (_, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-3000:]
-    assert not outputs[1][0].strip()  # rank 0, on node 0, reports for everyone
-    summary = json.loads(outputs[0][0].strip().splitlines()[-1])
+    # What each node holds: its own OUT.
+    copies = [shutil.copytree(out, tmp_path / f"node{node}" / "out") for node in range(2)]
+    results = run_at_once([node_command(launcher, copies[node], node, port, saved) for node in range(2)], env)
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    assert not results[1][1].strip()  # rank 0, on node 0, reports for everyone
+    summary = json.loads(results[0][1].strip().splitlines()[-1])
     check_groups_run(summary, saved, src, tmp_path / "node0" / "out", want, nodes=[0, 0, 1, 1])
 
 

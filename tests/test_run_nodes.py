@@ -8,11 +8,11 @@ options that differ between the nodes are refused on both, in one line naming th
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 from spawn_group import free_port
+from test_run import run_at_once
 
 from shardprep.errors import OptionsMismatchError
 from shardprep.prep.convert import convert
@@ -31,27 +31,17 @@ def run_two_nodes(out, tmp_path, node_args=((), ()), missing_on_node1=()):
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     env.pop("SHARDPREP_DEBUG", None)
-    procs = []
+    commands = []
     for node in range(2):
         copy = shutil.copytree(out, tmp_path / f"node{node}" / "out")
         if node == 1:
             for name in missing_on_node1:
                 (copy / name).unlink()
-        command = [sys.executable, "-m", "shardprep", "run", str(copy), "--nproc-per-node", "2", "--nnodes", "2",
-                   "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--device", "cpu",
-                   "--max-new-tokens", "2", "--prompt", "hello world", "--prompt", "the model",
-                   "--prompt", "shard the weights", *map(str, node_args[node])]
-        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=300))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+        commands.append([sys.executable, "-m", "shardprep", "run", str(copy), "--nproc-per-node", "2", "--nnodes",
+                         "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--device", "cpu",
+                         "--max-new-tokens", "2", "--prompt", "hello world", "--prompt", "the model",
+                         "--prompt", "shard the weights", *map(str, node_args[node])])
+    return run_at_once(commands, env)
 
 
 def last_line_of_each_node(results):
