@@ -369,7 +369,7 @@ def check_same_options(options: RunOptions) -> None:
     mine = (_node(), agreed_options(options))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    for flag, value in mine[1].items():
+    for flag in mine[1]:
         sides: dict[str, list[tuple[int, int]]] = {}  # the flag's value, as the user reads it -> (rank, node)
         for rank, (node, agreed) in enumerate(everyone):
             sides.setdefault(_given(agreed[flag]), []).append((rank, node))
