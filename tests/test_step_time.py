@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardprep.manifests.step_time import Interference, Segment, predict_step, step_floor
+from shardprep.manifests.step_time import Interference, Segment, predict_step, schedule_step, step_floor
 
 
 def test_a_model_with_nothing_sharded_takes_the_replicated_time():
@@ -64,3 +64,18 @@ def test_a_step_is_never_shorter_than_its_hard_lower_bounds(segments, kappa, lam
 def test_more_interference_never_makes_a_step_faster(segments, kappa):
     assert predict_step(segments, Interference(kappa + 0.3)).step_ms >= predict_step(
         segments, Interference(kappa)).step_ms - 1e-9
+
+
+@given(st.lists(segment, min_size=1, max_size=12), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.integers(1, 3))
+def test_the_schedule_keeps_the_streams_order_and_slots_and_ends_at_the_predicted_step(segments, kappa, lam, slots):
+    s = schedule_step(segments, Interference(kappa, lam), num_slots=slots)
+    assert s.step_ms == predict_step(segments, Interference(kappa, lam), num_slots=slots).step_ms
+    assert [c.segment for c in s.compute] == list(range(len(segments))) and s.compute[-1].end_ms == s.step_ms
+    sharded = [i for i, seg in enumerate(segments) if seg.gather_ms is not None]
+    assert [g.segment for g in s.gathers] == sharded
+    for stream in (s.compute, s.gathers):  # one piece of work at a time on each stream
+        assert all(a.end_ms <= b.start_ms + 1e-9 and a.start_ms <= a.end_ms for a, b in zip(stream, stream[1:]))
+    for k, g in enumerate(s.gathers):
+        assert g.end_ms <= s.compute[g.segment].start_ms + 1e-9  # a layer computes on its gathered weights
+        if k >= slots:  # its slot is free only once the compute of the layer S gathers earlier is done
+            assert g.start_ms >= s.compute[sharded[k - slots]].end_ms - 1e-9

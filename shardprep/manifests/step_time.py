@@ -87,6 +87,25 @@ class StepPrediction:
         return self.step_ms - self.replicated_ms
 
 
+@dataclass(frozen=True)
+class Span:
+    """One piece of work on one stream of the predicted step: segment `segment` from `start_ms` to `end_ms`."""
+
+    segment: int
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """The two streams of one predicted forward: every segment's compute span (in order) and every sharded
+    segment's gather span (in order); `step_ms` is the end of the last compute span."""
+
+    compute: tuple[Span, ...]
+    gathers: tuple[Span, ...]
+    step_ms: float
+
+
 def predict_step(segments: Sequence[Segment], interference: Interference = Interference(),
                  num_slots: int = 2) -> StepPrediction:
     """Simulate one forward; see the module docstring for the schedule and the interference.
@@ -99,21 +118,41 @@ def predict_step(segments: Sequence[Segment], interference: Interference = Inter
     >>> round(predict_step([Segment(3.0), Segment(1.0, 2.0)], Interference(0.5)).step_ms, 6)  # 2 ms at 2/3 speed
     4.666667
     """
+    t = schedule_step(segments, interference, num_slots).step_ms
+    replicated = sum(s.compute_ms for s in segments)
+    gathers = sum(s.gather_ms or 0.0 for s in segments)
+    return StepPrediction(t, replicated, gathers, step_floor(segments, interference))
+
+
+def schedule_step(segments: Sequence[Segment], interference: Interference = Interference(),
+                  num_slots: int = 2) -> StepSchedule:
+    """The simulation `predict_step` runs, with where each compute and gather starts and ends.
+
+    >>> s = schedule_step([Segment(3.0), Segment(1.0, 2.0)])
+    >>> [(x.segment, x.start_ms, x.end_ms) for x in s.gathers], [(x.start_ms, x.end_ms) for x in s.compute]
+    ([(1, 0.0, 2.0)], [(0.0, 3.0), (3.0, 4.0)])
+    """
     if num_slots < 1:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     sharded = [i for i, s in enumerate(segments) if s.gather_ms is not None]
     rank_of = {seg: k for k, seg in enumerate(sharded)}
     compute_done = [False] * len(segments)
     gather_done = [False] * len(sharded)
+    compute_spans: list[Span] = []
+    gather_spans: list[Span] = []
     t = 0.0
     ci = 0  # the segment the compute stream is on
     c_left = segments[0].compute_ms if segments else 0.0
+    c_start: float | None = None  # when segment ci's compute began, None while it waits for its gather
     gk = 0  # the next gather to start
     g_left: float | None = None  # work left in the running gather, None when none runs
+    g_start = 0.0
     while ci < len(segments):
         if g_left is None and gk < len(sharded) and (gk < num_slots or compute_done[sharded[gk - num_slots]]):
-            g_left = segments[sharded[gk]].gather_ms
+            g_left, g_start = segments[sharded[gk]].gather_ms, t
         computing = ci not in rank_of or gather_done[rank_of[ci]]
+        if computing and c_start is None:
+            c_start = t
         gathering = g_left is not None
         both = computing and gathering
         rate_c = 1 / (1 + interference.compute_slowdown) if both else 1.0
@@ -128,17 +167,18 @@ def predict_step(segments: Sequence[Segment], interference: Interference = Inter
             g_left = g_left - dt * rate_g if to_g > dt + _EPS else None
             if g_left is None:
                 gather_done[gk] = True
+                gather_spans.append(Span(sharded[gk], g_start, t))
                 gk += 1
         if computing:
             if to_c > dt + _EPS:
                 c_left -= dt * rate_c
             else:
                 compute_done[ci] = True
+                compute_spans.append(Span(ci, c_start if c_start is not None else t, t))
+                c_start = None
                 ci += 1
                 c_left = segments[ci].compute_ms if ci < len(segments) else 0.0
-    replicated = sum(s.compute_ms for s in segments)
-    gathers = sum(s.gather_ms or 0.0 for s in segments)
-    return StepPrediction(t, replicated, gathers, step_floor(segments, interference))
+    return StepSchedule(tuple(compute_spans), tuple(gather_spans), t)
 
 
 def step_floor(segments: Sequence[Segment], interference: Interference = Interference(), *,
