@@ -169,3 +169,92 @@ def test_plan_and_inspect_run_without_torch(llama8, tmp_path):
         proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert json.loads(proc.stdout)
+
+
+def plan_with_trace(llama8, tmp_path, *extra):
+    profile = write_profile(tmp_path / "p.json", tokens=(16, 128), compute_ms=(1.0, 2.0), gather_ms=1.6, kappa=0.01)
+    trace = tmp_path / "traces" / "plan.json"
+    report = plan_json(llama8, "--ranks", 8, "--preset", "llama", "--profile", profile, "--trace", trace, *extra)
+    return report, trace
+
+
+def x_events_by_thread(document):
+    threads = {}
+    for e in document["traceEvents"]:
+        if e["ph"] == "X":
+            threads.setdefault((e["pid"], e["tid"]), []).append(e)
+    return threads
+
+
+def test_the_predicted_trace_is_the_plans_own_step_layer_by_layer(llama8, tmp_path):
+    report, trace = plan_with_trace(llama8, tmp_path)
+    document = json.loads(trace.read_text())
+    assert document["displayTimeUnit"] == "ms" and document["otherData"]["sharded_layers"] == report["chosen"]["layers"]
+    threads = x_events_by_thread(document)
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in document["traceEvents"] if e["name"] == "thread_name"}
+    assert set(names.values()) == {"step", "compute", "gather"}
+    for pid, prediction in enumerate(report["chosen"]["predictions"], start=1):
+        compute, gather = threads[(pid, 1)], threads[(pid, 2)]
+        # The step ends where the plan's prediction does (times in µs, to the ns).
+        assert compute[-1]["ts"] + compute[-1]["dur"] == pytest.approx(prediction["step_ms"] * 1e3, abs=2e-3)
+        assert threads[(pid, 0)][0]["dur"] == pytest.approx(prediction["step_ms"] * 1e3, abs=2e-3)
+        spans = [e["name"] for e in compute if not e["name"].startswith("wait")]
+        assert spans == ["compute before layer 0", *(f"compute layer {i}" for i in range(LAYERS)),
+                         "compute after the last layer"]
+        gathers = [e for e in gather if e["name"].startswith("gather")]
+        assert [e["name"] for e in gathers] == [f"gather layer {i}" for i in report["chosen"]["layers"]]
+        start = {e["name"]: e["ts"] for e in compute}
+        for g in gathers:  # a sharded layer computes only once its gather is done
+            assert start[g["name"].replace("gather", "compute")] >= g["ts"] + g["dur"] - 1e-3
+        for events in (compute, gather):  # spans on one thread follow one another, none overlaps the next
+            assert all(e["dur"] >= 0 for e in events)
+            assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(events, events[1:]))
+
+
+def test_the_predicted_trace_loads_in_devtools_trace_engine(llama8, tmp_path):
+    from trace_reader import read_trace
+
+    _, trace = plan_with_trace(llama8, tmp_path)
+    document = json.loads(trace.read_text())
+    read = read_trace(trace)
+    assert read["warnings"] == {}
+    expected = x_events_by_thread(document)
+    seen = {(int(pid), int(tid)): t for pid, p in read["processes"].items() for tid, t in p["threads"].items()}
+    assert set(seen) == set(expected)
+    for key, events in expected.items():
+        # Every span on its thread, none dropped or nested under another (a thread's spans do not overlap).
+        assert [(e["name"], e["ts"], e["dur"]) for e in seen[key]["entries"]] == [
+            (e["name"], pytest.approx(e["ts"]), pytest.approx(e["dur"])) for e in events]
+        assert seen[key]["roots"] == len(events)
+    titles = {str(e["pid"]): e["args"]["name"] for e in document["traceEvents"] if e["name"] == "process_name"}
+    assert read["processNames"] == titles and len(titles) == 2
+
+
+def test_plan_trace_refuses_no_profile_and_an_unwritable_path_in_one_line(llama8, tmp_path):
+    result = CliRunner().invoke(app, ["plan", str(llama8), "--ranks", "8", "--preset", "llama", "--trace",
+                                      str(tmp_path / "t.json")])
+    assert result.exit_code == 2 and result.stderr.strip() == ("error: --trace needs --profile: the predicted "
+                                                               "schedule needs each layer's compute time")
+    profile = write_profile(tmp_path / "p.json", tokens=(16,), compute_ms=(1.0,), gather_ms=1.0)
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "t.json"
+    result = CliRunner().invoke(app, ["plan", str(llama8), "--ranks", "8", "--preset", "llama", "--profile",
+                                      str(profile), "--trace", str(bad)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: --trace {bad}: cannot write there: {bad.parent} is not a directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "p.json"]
+
+
+def test_the_trace_shows_where_compute_waits_on_a_gather_and_a_gather_on_its_slot():
+    from shardprep.manifests.step_time import Segment, schedule_step
+    from shardprep.prep.schedule_trace import schedule_events
+
+    # One slot, gathers longer than the layers: layer 0 waits for its gather, layer 1's gather waits for done(0).
+    segments = [Segment(0.5), Segment(1.0, 2.0), Segment(1.0, 2.0), Segment(0.5)]
+    events = [e for e in schedule_events(schedule_step(segments, num_slots=1), pid=1, title="t", num_slots=1)
+              if e["ph"] == "X"]
+    spans = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events}
+    assert spans["wait layer 0"] == (500.0, 2000.0) == (spans["compute before layer 0"][1], spans["gather layer 0"][1])
+    assert spans["slot wait layer 1"] == (2000.0, 3000.0) and spans["compute layer 0"][1] == 3000.0
+    assert spans["wait layer 1"] == (3000.0, 5000.0) == (spans["compute layer 0"][1], spans["gather layer 1"][1])
+    assert spans["predicted step"] == (0.0, 6500.0) == (0.0, spans["compute after the last layer"][1])

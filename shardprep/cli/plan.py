@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ..errors import ShardprepError
 from ._errors import cli_errors
 from ._format import (
     ContextLen,
@@ -21,6 +23,7 @@ from ._format import (
     parse_token_counts,
     print_json,
 )
+from ._output_file import replaced_on_success
 from .run import Backend
 
 if TYPE_CHECKING:
@@ -68,13 +71,20 @@ def plan_command(
                                        "convert; OUT has its own).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (schema shardprep/plan/1).")]
     = False,
+    trace: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="Also write the predicted per-layer schedule (compute, gathers, waits) as a Chrome "
+                             "trace JSON for ui.perfetto.dev or chrome://tracing (needs --profile).")] = None,
 ) -> None:
     """Per rank: memory saved, the KV-cache tokens and requests it buys, the startup peak; per layer: gather
     against compute; the layers to shard and the `convert --layers` argument; a one-line verdict."""
     from ..prep.payoff import PlanRequest, plan_sharding
     from ..prep.plan import parse_chunk_alignment
+    from ..prep.schedule_trace import plan_trace, trace_text
 
-    with cli_errors():
+    with cli_errors(), ExitStack() as stack:
+        if trace is not None and profile is None:
+            raise ShardprepError("--trace needs --profile: the predicted schedule needs each layer's compute time")
+        trace_part = stack.enter_context(replaced_on_success(trace, "--trace")) if trace is not None else None
         request = PlanRequest(
             source=source, ranks=ranks, targets=tuple(target or ()), preset=preset, layers=layers,
             layer_pattern=layer_pattern, revision=revision, profile=profile, link_gbps=link_gbps,
@@ -87,6 +97,8 @@ def plan_command(
             dp=dp, gpus_per_node=gpus_per_node,
         )
         report = plan_sharding(request)
+        if trace_part is not None:
+            trace_part.write_text(trace_text(plan_trace(report)))
     if json_out:
         print_json(report.to_dict())
     else:

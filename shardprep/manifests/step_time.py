@@ -104,6 +104,7 @@ class StepSchedule:
     compute: tuple[Span, ...]
     gathers: tuple[Span, ...]
     step_ms: float
+    segments: tuple[Segment, ...] = ()  # what was scheduled: each segment's times alone
 
 
 def predict_step(segments: Sequence[Segment], interference: Interference = Interference(),
@@ -178,7 +179,7 @@ def schedule_step(segments: Sequence[Segment], interference: Interference = Inte
                 c_start = None
                 ci += 1
                 c_left = segments[ci].compute_ms if ci < len(segments) else 0.0
-    return StepSchedule(tuple(compute_spans), tuple(gather_spans), t)
+    return StepSchedule(tuple(compute_spans), tuple(gather_spans), t, tuple(segments))
 
 
 def step_floor(segments: Sequence[Segment], interference: Interference = Interference(), *,

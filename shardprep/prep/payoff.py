@@ -37,7 +37,7 @@ from ..manifests.layout import align_up
 from ..manifests.manifest import MANIFEST_NAME, load_manifest
 from ..manifests.profile_format import Profile, load_profile
 from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem, largest_node_local_group
-from ..manifests.step_time import StepPrediction, predict_step
+from ..manifests.step_time import StepPrediction, StepSchedule, predict_step, schedule_step
 from .layer_choice import LayerChoice, Predict, choose_layers, evaluate, least_overhead
 from .selection import DEFAULT_LAYER_PATTERN, Selection, format_layers, load_preset, parse_layers
 
@@ -117,6 +117,11 @@ class PlanReport:
     gather_source: str = ""
     backend: str | None = None
     notes: list[str] = field(default_factory=list)
+    # The predicted step of the layers shown (chosen, else pays-from, else every candidate) at each of
+    # `tokens`: what `plan --trace` draws. Empty without a profile. Not in the JSON.
+    schedules: tuple[StepSchedule, ...] = ()
+    schedule_layers: tuple[int, ...] = ()
+    num_slots: int = 2
 
     def to_dict(self) -> dict[str, Any]:
         def choice(c: LayerChoice | None) -> dict[str, Any] | None:
@@ -248,6 +253,12 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
         verdict, line = Verdict.CROSSES_NODES, (f"{crossing}; plan --ranks {fit.largest_node_local}, the largest "
                                                 f"shard group that fits a node{at}")
     pick = chosen or from_choice
+    schedules: tuple[StepSchedule, ...] = ()
+    if profile is not None and gather_ms is not None:
+        b = profile.backend(backend)
+        shown_gathers = {i: gather_ms[i] for i in shown.layers}
+        schedules = tuple(schedule_step(profile.segments(ti, shown_gathers), b.interference(ti), request.num_slots)
+                          for ti in token_index)
     rows = [LayerRow(i, model.sizes.get(i), chunks.get(i), gather_ms.get(i) if gather_ms else None,
                      tuple(profile.layers[i].compute_ms[ti] for ti in token_index) if profile else ())
             for i in range(model_layers)]
@@ -256,7 +267,8 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
         tokens=tokens, rows=rows, slot_model=slot_model, every_layer=every, chosen=chosen, capacity=cap,
         verdict=verdict, verdict_line=line, groups=fit, kv=kv, pays_from_tokens=pays_from,
         convert_layers=format_layers(pick.layers, num_layers=model_layers) if pick else None,
-        gather_source=gather_source, backend=backend, notes=notes,
+        gather_source=gather_source, backend=backend, notes=notes, schedules=schedules,
+        schedule_layers=shown.layers, num_slots=request.num_slots,
     )
 
 
