@@ -83,3 +83,28 @@ def test_file_offsets_are_4096_aligned_and_disjoint():
     for (o0, s0), o1 in zip(zip(offs, sizes), offs[1:]):
         assert o1 >= o0 + s0
     assert align_up(0, 16) == 0 and align_up(16, 16) == 16
+
+
+def test_a_fused_view_with_a_row_multiple_covers_zero_pad_rows_that_the_next_entry_does_not_overlap():
+    # Kimi K3's in_proj_qkvgfab in miniature: 3 + 2 rows of 16 bytes, padded to a multiple of 4 rows (3 pad rows),
+    # then a tensor that sorts after the group's members.
+    tensors = specs(("l.0.a", "BF16", (3, 8)), ("l.0.b", "BF16", (2, 8)), ("l.0.c", "BF16", (1, 8)))
+    lay = plan_layer(0, tensors, 2, groups=[FusedGroup("l.0.ab", ("l.0.a", "l.0.b"), row_multiple=4)])
+    (view,) = lay.views
+    at = {e.name: e for e in lay.entries}
+    assert (view.shape, view.pad_rows, view.offset) == ((8, 8), 3, 0)
+    assert at["l.0.b"].offset == at["l.0.a"].nbytes  # members back to back, as without padding
+    assert at["l.0.c"].offset >= view.offset + view.nbytes  # the pad rows belong to no entry
+    assert lay.total_bytes >= at["l.0.c"].offset + at["l.0.c"].nbytes
+
+
+def test_a_view_whose_rows_are_already_a_multiple_gets_no_pad_rows():
+    tensors = specs(("l.0.a", "BF16", (12, 8)), ("l.0.b", "BF16", (4, 8)))
+    lay = plan_layer(0, tensors, 2, groups=[FusedGroup("l.0.ab", ("l.0.a", "l.0.b"), row_multiple=16)])
+    assert (lay.views[0].shape, lay.views[0].pad_rows) == ((16, 8), 0)
+
+
+def test_a_row_multiple_below_one_is_refused_naming_the_view():
+    tensors = specs(("l.0.a", "BF16", (2, 8)), ("l.0.b", "BF16", (2, 8)))
+    with pytest.raises(LayoutError, match="fused view 'l.0.ab': row_multiple"):
+        plan_layer(0, tensors, 2, groups=[FusedGroup("l.0.ab", ("l.0.a", "l.0.b"), row_multiple=0)])

@@ -10,6 +10,7 @@ import pytest
 from shardprep.errors import ManifestError
 from shardprep.manifests import (
     FileRecord,
+    FusedGroup,
     LayerRecord,
     Manifest,
     TensorSpec,
@@ -134,3 +135,55 @@ def test_a_manifest_read_again_is_the_same_and_any_changed_byte_is_checked_again
     with pytest.raises(ManifestError):
         load_manifest(tmp_path)
     assert parsed == [1]
+
+
+def padded_view_manifest() -> dict:
+    """small_manifest with layer 1 holding two members fused into a view with 3 zero pad rows, then a third tensor."""
+    data = small_manifest()
+    lay = plan_layer(1, [TensorSpec("m.layers.1.a", "BF16", (3, 8)), TensorSpec("m.layers.1.b", "BF16", (2, 8)),
+                         TensorSpec("m.layers.1.c", "BF16", (1, 8))], 2,
+                     groups=[FusedGroup("m.layers.1.ab", ("m.layers.1.a", "m.layers.1.b"), row_multiple=4)])
+    record = LayerRecord.from_layout(lay, data["layers"][0]["file_offset"], ("0" * 32,) * 2)
+    data["layers"][0] = Manifest.from_dict(data).to_dict()["layers"][0] | {
+        "chunk_bytes": record.chunk_bytes, "total_bytes": record.total_bytes,
+        "entries": [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset, "nbytes": e.nbytes}
+                    for e in record.entries],
+        "views": [{"name": v.name, "dtype": v.dtype, "shape": list(v.shape), "offset": v.offset,
+                   "members": list(v.members), "pad_rows": v.pad_rows} for v in record.views]}
+    return data
+
+
+def test_a_view_with_pad_rows_round_trips_and_a_view_without_writes_no_pad_rows_key():
+    data = padded_view_manifest()
+    m = Manifest.from_dict(copy.deepcopy(data))
+    assert m.layers[0].views[0].pad_rows == 3 and m.to_dict() == data
+    jsonschema.validate(data, manifest_schema())
+    assert all("pad_rows" not in v for r in small_manifest()["layers"] for v in r["views"])
+
+
+@pytest.mark.parametrize("pad_rows, message", [
+    (2, r"has shape \[8, 8\] but its members have 5 rows and 2 pad rows"),
+    (4, r"has shape \[8, 8\] but its members have 5 rows and 4 pad rows"),
+])
+def test_pad_rows_that_do_not_make_up_the_view_are_refused(pad_rows, message):
+    data = padded_view_manifest()
+    data["layers"][0]["views"][0]["pad_rows"] = pad_rows
+    with pytest.raises(ManifestError, match=message):
+        Manifest.from_dict(data)
+
+
+def test_pad_rows_overlapping_a_tensor_are_refused_naming_it():
+    data = padded_view_manifest()
+    c = data["layers"][0]["entries"][2]
+    assert c["name"] == "m.layers.1.c"
+    c["offset"] = 80  # inside the view's pad rows [80, 128)
+    with pytest.raises(ManifestError, match="pad rows overlap tensor 'm.layers.1.c'"):
+        Manifest.from_dict(data)
+
+
+@pytest.mark.parametrize("value", [0, -1, "3", 1.5, True])
+def test_a_pad_rows_value_that_is_not_a_positive_integer_is_refused(value):
+    data = padded_view_manifest()
+    data["layers"][0]["views"][0]["pad_rows"] = value
+    with pytest.raises(ManifestError):
+        Manifest.from_dict(data)

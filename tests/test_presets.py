@@ -106,6 +106,12 @@ def test_every_shipped_preset_names_tests_that_serve_it():
     ({"targets": ["*.q_proj.weight"], "checked_with": [{"server": "vllm", "mode": " ", "test": "t.py"}]},
      "all non-empty strings"),
     ({"targets": ["*.q_proj.weight"], "fuesd": []}, "unknown key 'fuesd'"),
+    ({"targets": ["*.a.weight"], "fused": [{"name": "ab.weight", "members": ["a.weight", "b.weight"],
+                                            "pad_rows_to": 0}]}, "'pad_rows_to' must be an integer from 1"),
+    ({"targets": ["*.a.weight"], "fused": [{"name": "ab.weight", "members": ["a.weight", "b.weight"],
+                                            "pad_rows_to": "16"}]}, "'pad_rows_to' must be an integer from 1"),
+    ({"targets": ["*.a.weight"], "fused": [{"name": "ab.weight", "members": ["a.weight", "b.weight"],
+                                            "pad_row_to": 16}]}, "fused 'ab.weight': unknown key 'pad_row_to'"),
 ])
 def test_a_preset_file_with_a_bad_checked_with_or_an_unknown_key_is_refused(tmp_path, doc, why):
     path = tmp_path / "mine.json"

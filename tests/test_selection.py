@@ -7,7 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardprep.errors import SelectionError
+from shardprep.manifests.layout import FusedGroup
 from shardprep.prep.selection import (
+    FusedRule,
+    Preset,
     Selection,
     builtin_presets,
     format_layers,
@@ -107,3 +110,16 @@ def test_builtin_presets_and_user_preset_file(tmp_path):
 def test_unknown_preset_is_refused():
     with pytest.raises(SelectionError, match="neither a built-in preset"):
         load_preset("no-such-preset")
+
+
+def test_the_first_fused_rule_that_takes_a_tensor_wins_over_a_narrower_variant():
+    # A server's wide variant (q_a, kv_a and the gate) listed before its narrow one (q_a and kv_a): a layer with all
+    # three gets the wide view only, a layer without the gate the narrow one, and no tensor is in two views.
+    wide = FusedRule("attn.qkv_g.weight", ("attn.q.weight", "attn.kv.weight", "attn.g.weight"))
+    narrow = FusedRule("attn.qkv.weight", ("attn.q.weight", "attn.kv.weight"), row_multiple=16)
+    preset = Preset("variants", ("*.attn.*.weight",), (wide, narrow))
+    names = ["m.layers.1.attn.q.weight", "m.layers.1.attn.kv.weight", "m.layers.1.attn.g.weight",
+             "m.layers.2.attn.q.weight", "m.layers.2.attn.kv.weight"]
+    groups = select_targets(names, Selection(preset=preset)).groups
+    assert groups[1] == [FusedGroup("m.layers.1.attn.qkv_g.weight", tuple(names[:3]))]
+    assert groups[2] == [FusedGroup("m.layers.2.attn.qkv.weight", tuple(names[3:]), row_multiple=16)]

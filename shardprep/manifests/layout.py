@@ -67,10 +67,15 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class FusedGroup:
-    """Tensors that must sit back to back so that `name` can view them as one weight (concatenated on dim 0)."""
+    """Tensors that must sit back to back so that `name` can view them as one weight (concatenated on dim 0).
+
+    `row_multiple`: the view's rows are the members' rows rounded up to a multiple of it, the rows past
+    the last member zero (vLLM's Kimi K3 `in_proj_qkvgfab` pads its rows to a multiple of 16).
+    """
 
     name: str
     members: tuple[str, ...]
+    row_multiple: int = 1
 
 
 @dataclass(frozen=True)
@@ -86,13 +91,17 @@ class Entry:
 
 @dataclass(frozen=True)
 class FusedView:
-    """A fused weight viewed over adjacent entries of T (for example qkv_proj over q, k, v)."""
+    """A fused weight viewed over adjacent entries of T (for example qkv_proj over q, k, v).
+
+    `pad_rows`: zero rows of T after the last member that the view covers too (0 for most views).
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     offset: int
     members: tuple[str, ...]
+    pad_rows: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -121,8 +130,9 @@ def plan_layer(
     """Pack one layer's tensors into a flat buffer split into `world_size` equal chunks.
 
     Tensors are ordered by name; a fused group takes the place of its first-sorted member and keeps
-    its declared member order, with no gap between members. C is the smallest multiple of
-    `chunk_alignment` with N·C covering the entries.
+    its declared member order, with no gap between members, followed by its zero pad rows (if its
+    `row_multiple` asks for any), which the next entry does not overlap. C is the smallest multiple of
+    `chunk_alignment` with N·C covering the entries and pad rows.
 
     >>> t = [TensorSpec("l.0.b", "BF16", (3, 5)), TensorSpec("l.0.a", "F32", (2,))]
     >>> lay = plan_layer(0, t, world_size=2)
@@ -159,29 +169,42 @@ def plan_layer(
             placed_groups.add(group.name)
             order.extend(group.members)
 
+    pad_after = {g.members[-1]: _pad_rows(g, by_name) * _row_bytes(by_name[g.members[-1]]) for g in groups}
     entries: list[Entry] = []
     offset = 0
     for name in order:
         t = by_name[name]
         offset = align_up(offset, entry_alignment)
         entries.append(Entry(t.name, t.dtype, tuple(t.shape), offset, t.nbytes))
-        offset += t.nbytes
+        offset += t.nbytes + pad_after.get(name, 0)
 
     at = {e.name: e for e in entries}
     views = []
     for g in groups:
         first = by_name[g.members[0]]
         rows = sum(by_name[m].shape[0] for m in g.members)
-        views.append(FusedView(g.name, first.dtype, (rows, *first.shape[1:]), at[g.members[0]].offset, g.members))
+        pad = _pad_rows(g, by_name)
+        views.append(FusedView(g.name, first.dtype, (rows + pad, *first.shape[1:]), at[g.members[0]].offset,
+                               g.members, pad))
 
     chunk = align_up(-(-max(offset, 1) // world_size), chunk_alignment)
     return LayerLayout(layer, tuple(entries), tuple(views), chunk * world_size, chunk)
+
+
+def _pad_rows(group: FusedGroup, by_name: dict[str, TensorSpec]) -> int:
+    return -sum(by_name[m].shape[0] for m in group.members) % group.row_multiple
+
+
+def _row_bytes(t: TensorSpec) -> int:
+    return t.nbytes // t.shape[0] if t.shape[0] else 0
 
 
 def _check_fusable(group: FusedGroup, members: list[TensorSpec], entry_alignment: int) -> None:
     first = members[0]
     if len(members) < 2:
         raise LayoutError(f"fused view {group.name!r} needs at least two members")
+    if group.row_multiple < 1:
+        raise LayoutError(f"fused view {group.name!r}: row_multiple must be >= 1, got {group.row_multiple}")
     for m in members:
         if m.dtype != first.dtype:
             raise LayoutError(

@@ -237,7 +237,8 @@ class Manifest:
                 total_bytes=r["total_bytes"],
                 entries=tuple(Entry(e["name"], e["dtype"], tuple(e["shape"]), e["offset"], e["nbytes"])
                               for e in r["entries"]),
-                views=tuple(FusedView(v["name"], v["dtype"], tuple(v["shape"]), v["offset"], tuple(v["members"]))
+                views=tuple(FusedView(v["name"], v["dtype"], tuple(v["shape"]), v["offset"], tuple(v["members"]),
+                                      v.get("pad_rows", 0))
                             for v in r["views"]),
                 checksums=tuple(r["checksums"]),
             )
@@ -319,8 +320,9 @@ def _layer_dict(r: LayerRecord) -> dict[str, Any]:
         "total_bytes": r.total_bytes,
         "entries": [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset,
                      "nbytes": e.nbytes} for e in r.entries],
+        # `pad_rows` only where there are some: every manifest without them keeps its bytes (and checksum).
         "views": [{"name": v.name, "dtype": v.dtype, "shape": list(v.shape), "offset": v.offset,
-                   "members": list(v.members)} for v in r.views],
+                   "members": list(v.members), **({"pad_rows": v.pad_rows} if v.pad_rows else {})} for v in r.views],
         "checksums": list(r.checksums),
     }
 
@@ -475,7 +477,8 @@ class _ItemRules:
         for m in members:
             if type(m) is not str or not 0 < len(m) <= longest:
                 return False
-        return True
+        pad = v.get("pad_rows", 1)
+        return type(pad) is int and 1 <= pad <= top
 
     def layer_fields(self, r: dict[str, Any]) -> bool:
         """Every field of a layer but its lists' items (`_cut_layer` checks those)."""
@@ -639,7 +642,7 @@ def _check_entries(r: LayerRecord, entry_alignment: int, seen_names: set[str], b
     if end > r.total_bytes:
         bad(f"{tag}: entries end at byte {end}, past total_bytes {r.total_bytes}", layer=r.layer)
     for v in r.views:
-        problem = _check_view(v, by_name, tag)
+        problem = _check_view(v, by_name, tag) or _check_pad_rows(v, by_name, r, tag)
         if problem:
             bad(problem, layer=r.layer, tensor=v.name)
 
@@ -656,8 +659,23 @@ def _check_view(v: FusedView, entries: dict[str, Entry], tag: str) -> str | None
             return f"{tag}: fused view {quoted(v.name)} does not cover member {quoted(name)} contiguously"
         at += e.nbytes
         rows += e.shape[0]
-    if not v.shape or rows != v.shape[0]:
-        return f"{tag}: fused view {quoted(v.name)} has shape {list(v.shape)} but its members have {rows} rows"
+    if not v.shape or rows + v.pad_rows != v.shape[0]:
+        pad = f" and {v.pad_rows} pad rows" if v.pad_rows else ""
+        return f"{tag}: fused view {quoted(v.name)} has shape {list(v.shape)} but its members have {rows} rows{pad}"
+    return None
+
+
+def _check_pad_rows(v: FusedView, entries: dict[str, Entry], r: LayerRecord, tag: str) -> str | None:
+    """A view's pad rows must be bytes of T that no entry holds (so they are zero padding, which validate checks)."""
+    if not v.pad_rows:
+        return None
+    last = entries[v.members[-1]]
+    start, end = last.offset + last.nbytes, v.offset + v.nbytes
+    if end > r.total_bytes:
+        return f"{tag}: fused view {quoted(v.name)}'s {v.pad_rows} pad rows end at byte {end}, past total_bytes"
+    inside = next((e.name for e in r.entries if e.offset < end and e.offset + e.nbytes > start), None)
+    if inside is not None:
+        return f"{tag}: fused view {quoted(v.name)}'s {v.pad_rows} pad rows overlap tensor {quoted(inside)}"
     return None
 
 

@@ -97,9 +97,11 @@ def plan_reshard(manifest: Manifest, world_size: int, chunk_alignment: str | int
     """
     alignment = parse_chunk_alignment(chunk_alignment)
     layers = [(r.layer, [TensorSpec(e.name, e.dtype, e.shape) for e in r.entries]) for r in manifest.layers]
-    # The fused groups in the manifest's view order: plan_layer lists the views in the order it is given.
+    # The fused groups in the manifest's view order: plan_layer lists the views in the order it is given. A view
+    # with pad rows is padded to its own row count, the one multiple that gives exactly its rows again.
     targets = TargetPlan(layers={r.layer: [e.name for e in r.entries] for r in manifest.layers},
-                         groups={r.layer: [FusedGroup(v.name, v.members) for v in r.views] for r in manifest.layers})
+                         groups={r.layer: [FusedGroup(v.name, v.members, v.shape[0] if v.pad_rows else 1)
+                                           for v in r.views] for r in manifest.layers})
     try:
         if alignment is None:
             rank_layout = choose_rank_layout(layers, targets, world_size)

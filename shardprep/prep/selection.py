@@ -28,10 +28,15 @@ _SPAN = re.compile(r"(?P<first>\d*)\s*(?P<dash>-)?\s*(?P<last>\d*)(?::(?P<step>\
 
 @dataclass(frozen=True)
 class FusedRule:
-    """A preset's fused group, by suffix: members `P+m` for every prefix P where all members are targets."""
+    """A preset's fused group, by suffix: members `P+m` for every prefix P where all members are targets.
+
+    `row_multiple` (the preset's `pad_rows_to`): the view's rows are rounded up to a multiple of it with zero
+    rows, for a server whose fused parameter has them (vLLM's Kimi K3 `in_proj_qkvgfab`: 16).
+    """
 
     name: str
     members: tuple[str, ...]
+    row_multiple: int = 1
 
 
 @dataclass(frozen=True)
@@ -260,7 +265,13 @@ def _preset_from_json(data: object, where: str, default_name: str) -> Preset:
         if not isinstance(name, str) or not isinstance(members, list) or len(members) < 2 or not all(
                 isinstance(m, str) and m for m in members):
             raise bad("each 'fused' item needs a 'name' and at least two 'members', all strings")
-        rules.append(FusedRule(name, tuple(members)))
+        pad_to = f.get("pad_rows_to", 1)
+        if type(pad_to) is not int or not 1 <= pad_to <= 1 << 20:
+            raise bad(f"fused {name!r}: 'pad_rows_to' must be an integer from 1 to {1 << 20}")
+        if set(f) - _FUSED_KEYS:
+            raise bad(f"fused {name!r}: unknown key {sorted(set(f) - _FUSED_KEYS)[0]!r}; a fused item has "
+                      f"{', '.join(sorted(_FUSED_KEYS))}")
+        rules.append(FusedRule(name, tuple(members), pad_to))
     name, description = data.get("name", default_name), data.get("description", "")
     if not isinstance(name, str) or not isinstance(description, str):
         raise bad("'name' and 'description' must be strings")
@@ -271,6 +282,7 @@ def _preset_from_json(data: object, where: str, default_name: str) -> Preset:
 
 
 _PRESET_KEYS = {"name", "description", "targets", "fused", "checked_with"}
+_FUSED_KEYS = {"name", "members", "pad_rows_to"}
 _CHECKED_WITH_KEYS = {"server", "mode", "test"}
 
 
@@ -381,6 +393,7 @@ def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:
 
 def _fused_groups(layer_names: Sequence[str], rules: Sequence[FusedRule]) -> list[FusedGroup]:
     present = set(layer_names)
+    taken: set[str] = set()
     groups = []
     for rule in rules:
         first = rule.members[0]
@@ -388,7 +401,10 @@ def _fused_groups(layer_names: Sequence[str], rules: Sequence[FusedRule]) -> lis
             if name.endswith("." + first):
                 prefix = name[: -len(first)]
                 members = tuple(prefix + m for m in rule.members)
-                if all(m in present for m in members):
-                    groups.append(FusedGroup(prefix + rule.name, members))
+                # The first rule that takes a tensor wins: a preset lists a server's variants of one fused
+                # parameter (Kimi K3's fused_qkv_a_g_proj, then fused_qkv_a_proj without the output gate) widest first.
+                if all(m in present for m in members) and taken.isdisjoint(members):
+                    groups.append(FusedGroup(prefix + rule.name, members, rule.row_multiple))
+                    taken.update(members)
     return groups
 

@@ -233,8 +233,16 @@ def _recorded_selection(record: dict) -> tuple[Selection, bool]:
 
 def _check_fused_groups(m: Manifest, name: str, plan: TargetPlan, report: ValidationReport) -> None:
     for r in m.layers:
-        want = {g.name: g.members for g in plan.groups.get(r.layer, ())}
+        groups = {g.name: g for g in plan.groups.get(r.layer, ())}
+        want = {g.name: g.members for g in groups.values()}
         have = {v.name: v.members for v in r.views}
+        rows = {e.name: e.shape[0] if e.shape else 0 for e in r.entries}
+        for v in r.views:
+            pad = -sum(rows.get(m, 0) for m in v.members) % groups[v.name].row_multiple if v.name in groups else None
+            if pad is not None and want[v.name] == v.members and v.pad_rows != pad:
+                report.add(Problem("fused_mismatch", f"{name}: layer {r.layer}: view {quoted(v.name)} has "
+                                   f"{v.pad_rows} pad rows, the preset pads it with {pad}", layer=r.layer,
+                                   tensor=v.name))
         for view in sorted(want.keys() | have.keys()):
             if want.get(view) == have.get(view):
                 continue
