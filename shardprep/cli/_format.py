@@ -29,6 +29,26 @@ ChunkAlignment = Annotated[str, typer.Option(
     "zero-copy runtime); auto: 2MiB when its padding costs <= 1% of Σ|T| per rank, else none (16 bytes).")]
 
 
+def kinds_text(kinds: dict[str, int]) -> str:
+    """One layer's target bytes by kind, for a table cell.
+
+    >>> kinds_text({"KDA": 53248, "MoE periphery": 18432})
+    'KDA 52.00 KiB + MoE periphery 18.00 KiB'
+    """
+    return " + ".join(f"{kind} {human_bytes(size)}" for kind, size in kinds.items())
+
+
+def kind_totals_line(kinds: dict[str, dict[str, int]]) -> str:
+    """The targets' bytes per kind over all layers (target_kinds.kind_totals), in one line.
+
+    >>> kind_totals_line({"KDA": {"layers": 2, "bytes": 106496, "max_layer_bytes": 53248}})
+    'targets by kind: KDA 104.00 KiB in 2 layers (largest 52.00 KiB)'
+    """
+    return "targets by kind: " + "; ".join(
+        f"{kind} {human_bytes(k['bytes'])} in {k['layers']} layers (largest {human_bytes(k['max_layer_bytes'])})"
+        for kind, k in kinds.items())
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 

@@ -8,7 +8,19 @@ from typing import Annotated
 import typer
 
 from ._errors import cli_errors
-from ._format import ContextLen, Dp, GpusPerNode, HbmGb, KvDtype, NumSlots, capacity_rows, human_bytes, print_json
+from ._format import (
+    ContextLen,
+    Dp,
+    GpusPerNode,
+    HbmGb,
+    KvDtype,
+    NumSlots,
+    capacity_rows,
+    human_bytes,
+    kind_totals_line,
+    kinds_text,
+    print_json,
+)
 
 
 def _checked_with_line(info: dict) -> str:
@@ -45,11 +57,11 @@ def inspect_command(
 
     n = info["world_size"]
     table = Table(title=f"{out}  (format v{info['format_version']}, N = {n})")
-    for col in ("layer", "entries", "fused views", "|T|", "C = |T|/N", "file offset"):
+    for col in ("layer", "entries", "fused views", "|T|", "C = |T|/N", "file offset", "targets by kind"):
         table.add_column(col, justify="right")
     for r in info["layers"]:
         table.add_row(str(r["layer"]), str(r["entries"]), str(r["views"]), human_bytes(r["total_bytes"]),
-                      human_bytes(r["chunk_bytes"]), str(r["file_offset"]))
+                      human_bytes(r["chunk_bytes"]), str(r["file_offset"]), kinds_text(r["kinds"]))
     totals = Table(show_header=False, title="per rank")
     totals.add_column(justify="left")
     totals.add_column(justify="right")
@@ -57,6 +69,8 @@ def inspect_command(
         totals.add_row(label, value)
     console = Console()
     console.print(table)
+    if info["kinds"]:
+        console.print(kind_totals_line(info["kinds"]))
     console.print(totals)
     console.print(f"slots: {info['slot_model']}")
     console.print(f"rank files: {human_bytes(info['rank_file_bytes'])} each, chunk alignment "

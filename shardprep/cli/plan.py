@@ -19,6 +19,8 @@ from ._format import (
     NumSlots,
     capacity_rows,
     human_bytes,
+    kind_totals_line,
+    kinds_text,
     parse_fraction,
     parse_token_counts,
     print_json,
@@ -120,14 +122,17 @@ def print_plan(report: PlanReport, preset: str | None, targets: tuple[str, ...])
     if report.gather_source:
         console.print(f"gathers: {report.gather_source}")
     layers = Table(title="per layer: |T|, its gather alone, its compute (replicated weights), ms")
-    for col in ("layer", "|T|", "C = |T|/N", "gather", *(f"{t} tok" for t in report.tokens), "shard"):
+    for col in ("layer", "|T|", "C = |T|/N", "gather", *(f"{t} tok" for t in report.tokens), "shard",
+                "targets by kind"):
         layers.add_column(col, justify="right")
     for r in report.rows:
         layers.add_row(str(r.layer), human_bytes(r.total_bytes) if r.total_bytes else "",
                        human_bytes(r.chunk_bytes) if r.chunk_bytes else "",
                        f"{r.gather_ms:.3f}" if r.gather_ms is not None else "",
-                       *(f"{ms:.3f}" for ms in r.compute_ms), "✓" if r.layer in picked else "")
+                       *(f"{ms:.3f}" for ms in r.compute_ms), "✓" if r.layer in picked else "", kinds_text(r.kinds))
     console.print(layers)
+    if report.kinds:
+        console.print(kind_totals_line(report.kinds))
     choices = [("every candidate", report.every_layer)]
     if report.chosen is not None and report.chosen.layers != report.every_layer.layers:
         choices.append(("chosen", report.chosen))

@@ -17,6 +17,7 @@ from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size
 from ..manifests.strict_json import is_int, read_json_file
 from .selection import recorded_preset_checks
 from .source import read_config
+from .target_kinds import bytes_by_kind, kind_totals
 
 DEFAULT_HBM_BYTES = 141 * 10**9  # one H200
 DEFAULT_CONTEXT_LEN = 8192
@@ -48,6 +49,7 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
     kv = kv_cache_shape(config, kv_dtype, where=str(root / "config.json")) if config else None
     cap = capacity(memory, kv, replicated_part_bytes=memory.non_target_bytes, context_len=context_len,
                    hbm_bytes=hbm_bytes, rank_file_bytes=m.rank_file_bytes)
+    kinds = [bytes_by_kind({e.name: e.nbytes for e in r.entries}) for r in m.layers]
     return {
         "schema": SCHEMA,
         "directory": str(root),
@@ -73,9 +75,12 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
                 "total_bytes": r.total_bytes,
                 "chunk_bytes": r.chunk_bytes,
                 "file_offset": r.file_offset,
+                "kinds": layer_kinds,
             }
-            for r in m.layers
+            for r, layer_kinds in zip(m.layers, kinds)
         ],
+        # The targets' bytes by kind (target_kinds.py), without T's alignment gaps and pad rows.
+        "kinds": kind_totals(kinds),
         "totals": memory.to_dict(),
         "kv_cache": kv.to_dict() if kv else None,
         "capacity": cap.to_dict(),

@@ -40,6 +40,7 @@ from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size
 from ..manifests.step_time import StepPrediction, StepSchedule, predict_step, schedule_step
 from .layer_choice import LayerChoice, Predict, choose_layers, evaluate, least_overhead
 from .selection import DEFAULT_LAYER_PATTERN, Selection, format_layers, load_preset, parse_layers
+from .target_kinds import bytes_by_kind, kind_totals
 
 PLAN_SCHEMA = "shardprep/plan/1"
 GB = 10**9
@@ -91,6 +92,8 @@ class LayerRow:
     chunk_bytes: int | None
     gather_ms: float | None
     compute_ms: tuple[float, ...]
+    kinds: dict[str, int] = field(default_factory=dict)
+    """Its targets' bytes by kind (target_kinds.py: KDA, MLA, MoE periphery, ...); empty if not a candidate."""
 
 
 @dataclass
@@ -123,6 +126,11 @@ class PlanReport:
     schedule_layers: tuple[int, ...] = ()
     num_slots: int = 2
 
+    @property
+    def kinds(self) -> dict[str, dict[str, int]]:
+        """The candidates' target bytes per kind (target_kinds.kind_totals): layers, bytes, largest layer."""
+        return kind_totals(r.kinds for r in self.rows if r.kinds)
+
     def to_dict(self) -> dict[str, Any]:
         def choice(c: LayerChoice | None) -> dict[str, Any] | None:
             if c is None:
@@ -143,7 +151,9 @@ class PlanReport:
             "backend": self.backend,
             "kv_cache": self.kv.to_dict() if self.kv else None,
             "layers": [{"layer": r.layer, "total_bytes": r.total_bytes, "chunk_bytes": r.chunk_bytes,
-                        "gather_ms": r.gather_ms, "compute_ms": list(r.compute_ms)} for r in self.rows],
+                        "gather_ms": r.gather_ms, "compute_ms": list(r.compute_ms), "kinds": r.kinds}
+                       for r in self.rows],
+            "kinds": self.kinds,
             "every_layer": choice(self.every_layer),
             "chosen": choice(self.chosen),
             "capacity": self.capacity.to_dict(),
@@ -171,6 +181,7 @@ class _Model:
     config: dict[str, Any] | None
     chunk_alignment: int
     notes: tuple[str, ...] = ()
+    kinds: dict[int, dict[str, int]] = field(default_factory=dict)  # candidate layer → its target bytes by kind
 
 
 def plan_sharding(request: PlanRequest) -> PlanReport:
@@ -260,7 +271,8 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
         schedules = tuple(schedule_step(profile.segments(ti, shown_gathers), b.interference(ti), request.num_slots)
                           for ti in token_index)
     rows = [LayerRow(i, model.sizes.get(i), chunks.get(i), gather_ms.get(i) if gather_ms else None,
-                     tuple(profile.layers[i].compute_ms[ti] for ti in token_index) if profile else ())
+                     tuple(profile.layers[i].compute_ms[ti] for ti in token_index) if profile else (),
+                     model.kinds.get(i, {}))
             for i in range(model_layers)]
     return PlanReport(
         source=request.source, kind=model.kind, ranks=n, model_layers=model_layers, candidates=candidates,
@@ -389,7 +401,8 @@ def _read_checkpoint(request: PlanRequest, n: int) -> _Model:
     # Laid out as convert would for this N (its chunk alignment too, `auto` unless given).
     plan = make_plan(ckpt, n, selection, chunk_alignment=request.chunk_alignment or "auto")
     sizes = {lay.layer: unaligned_total_bytes(lay.entries, n) for lay in plan.layouts}
-    return _Model("checkpoint", sizes, plan.replicated_bytes, ckpt.config, plan.chunk_alignment)
+    kinds = {lay.layer: bytes_by_kind({e.name: e.nbytes for e in lay.entries}) for lay in plan.layouts}
+    return _Model("checkpoint", sizes, plan.replicated_bytes, ckpt.config, plan.chunk_alignment, kinds=kinds)
 
 
 def _read_converted(root: Path, request: PlanRequest, n: int) -> _Model:
@@ -412,5 +425,6 @@ def _read_converted(root: Path, request: PlanRequest, n: int) -> _Model:
                      f"{n}")
     config = read_config(root)
     unsharded = sum(r.total_bytes for r in manifest.layers if r not in records)
+    kinds = {r.layer: bytes_by_kind({e.name: e.nbytes for e in r.entries}) for r in records}
     return _Model("converted", sizes, replicated_bytes(root, manifest) + unsharded, config,
-                  request.chunk_alignment or manifest.chunk_alignment, tuple(notes))
+                  request.chunk_alignment or manifest.chunk_alignment, tuple(notes), kinds)
