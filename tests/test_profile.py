@@ -20,10 +20,10 @@ from shardprep.prep.convert import convert
 def test_dry_run_profiles_every_layer_and_backend_and_plan_reads_it(checkpoint_cache, tmp_path):
     out = tmp_path / "out"
     convert(checkpoint_cache("llama", layers=4), out, 2, preset="llama", layers="1-:2")
-    path = tmp_path / "profile.json"
+    path, trace = tmp_path / "profile.json", tmp_path / "trace.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COLUMNS="160")
-    proc = subprocess.run([sys.executable, "-m", "shardprep", "profile", str(out), "--dry-run", "--out", str(path)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, "-m", "shardprep", "profile", str(out), "--dry-run", "--out", str(path),
+                           "--trace", str(trace)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gloo: gather-only" in proc.stdout
 
@@ -47,6 +47,18 @@ def test_dry_run_profiles_every_layer_and_backend_and_plan_reads_it(checkpoint_c
     report = json.loads(result.stdout)
     assert [pr["tokens"] for pr in report["every_layer"]["predictions"]] == [1, 8]
     assert report["gather_source"].startswith("gloo (profile")
+
+    # The measured timeline: rank 0's torch.profiler trace of one sharded step per token count.
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"shardprep::sharded step, 1 tokens", "shardprep::sharded step, 8 tokens"} <= names
+    assert {f"shardprep::layer {i}" for i in range(4)} <= names
+    assert {"shardprep::gather layer 1", "shardprep::gather layer 3"} <= names
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "profile.json", "trace.json"]  # no temp left
+    from trace_reader import read_trace
+
+    read = read_trace(trace)
+    placed = {e["name"] for p in read["processes"].values() for t in p["threads"].values() for e in t["entries"]}
+    assert {"shardprep::sharded step, 8 tokens", "shardprep::layer 3", "shardprep::gather layer 3"} <= placed
 
 
 def test_profile_refuses_a_rank_count_other_than_the_manifests(checkpoint_cache, tmp_path):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -10,6 +12,7 @@ import typer
 
 from ._errors import cli_errors
 from ._format import parse_token_counts, print_json
+from ._output_file import replaced_on_success
 from .run import Backend, Device
 
 if TYPE_CHECKING:
@@ -36,12 +39,15 @@ def profile_command(
         "--dry-run", help="CPU + gloo, 2 iterations: checks the whole path on a tiny model; the times mean nothing.")]
     = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the profile JSON instead of tables.")] = False,
+    trace: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="Also write rank 0's torch.profiler trace of one sharded step per token count (Chrome "
+                             "trace JSON for ui.perfetto.dev or chrome://tracing).")] = None,
 ) -> None:
     """Time each layer's compute (replicated weights), each backend's gathers and the HBM interference
     between them, on the real model bound to the real GPUs; write them for `shardprep plan --profile`."""
     from ..runtime.profile import ProfileOptions, profile
 
-    with cli_errors():
+    with cli_errors(), ExitStack() as stack:
         counts = parse_token_counts(tokens) if tokens else None
         if dry_run:
             options = ProfileOptions.for_dry_run(counts)
@@ -49,6 +55,9 @@ def profile_command(
             backends = tuple(b.value for b in backend or [Backend.AUTO])
             options = ProfileOptions(tokens=counts or ProfileOptions.tokens, backends=backends, iters=iters,
                                      warmup=warmup, device=device.value)
+        if trace is not None:
+            part = stack.enter_context(replaced_on_success(trace, "--trace"))
+            options = dataclasses.replace(options, trace_path=str(part))
         result = profile(directory, nproc, options)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result.to_dict(), indent=1) + "\n")

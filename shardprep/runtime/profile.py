@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import ProfilerActivity, record_function
 
 from ..errors import RuntimeShardError
 from ..manifests.manifest import load_manifest
@@ -59,6 +60,7 @@ class ProfileOptions:
     warmup: int = 3
     device: str = "auto"
     dry_run: bool = False
+    trace_path: str | None = None  # rank 0 writes torch.profiler's Chrome trace of the sharded steps here
 
     @classmethod
     def for_dry_run(cls, tokens: tuple[int, ...] | None = None) -> ProfileOptions:
@@ -137,6 +139,8 @@ def profile_binding(binding: Binding, forward_at: Callable[[int], Forward], laye
             for _ in range(options.warmup):
                 fwd()
             sharded.append(median([clock.time_ms(fwd) for _ in range(options.iters)]))
+        if options.trace_path is not None and g is gatherers[0]:
+            _trace_sharded_steps(forwards, layer_modules, clock, options.trace_path, dist.get_rank(control) == 0)
         bound.remove()
         backends.append(BackendTimes(
             name=g.backend_name,
@@ -204,6 +208,41 @@ class _LayerTimer:
         ms = self.clock.elapsed_ms
         layers = [ms(starts[i], starts[i + 1]) for i in range(n - 1)] + [ms(starts[-1], ends[-1])]
         return [ms(begin, starts[0]), *layers, ms(ends[-1], end), ms(begin, end)]
+
+
+def _trace_sharded_steps(forwards: dict[int, Forward], layer_modules: Sequence[nn.Module], clock: DeviceClock,
+                         path: str, write: bool) -> None:
+    """One sharded step per token count under torch.profiler; `write`: export its Chrome trace to `path`.
+
+    Collective: every rank runs the steps (their gathers meet). Each step is labelled
+    "shardprep::sharded step, T tokens", each decoder layer "shardprep::layer ℓ" (forward hooks), and the
+    gatherer labels its gathers "shardprep::gather layer ℓ". On CUDA the trace has the kernels of the compute
+    and gather streams too; on the CPU only the host's ops.
+    """
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if clock.cuda else [])
+    labels: dict[int, record_function] = {}
+    handles = []
+    for i, module in enumerate(layer_modules):
+        def enter(_m: nn.Module, _a: Any, i: int = i) -> None:
+            labels[i] = record_function(f"shardprep::layer {i}")
+            labels[i].__enter__()
+
+        def leave(_m: nn.Module, _a: Any, _o: Any, i: int = i) -> None:
+            labels.pop(i).__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            for t, fwd in forwards.items():
+                clock.sync()
+                with record_function(f"shardprep::sharded step, {t} tokens"):
+                    fwd()
+                clock.sync()
+    finally:
+        for h in handles:
+            h.remove()
+    if write:
+        prof.export_chrome_trace(path)
 
 
 def _gather_times(clock: DeviceClock, g: LayerGatherer, options: ProfileOptions,
