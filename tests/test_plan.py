@@ -159,6 +159,20 @@ def test_a_profile_of_another_model_is_refused_in_one_line(llama8, tmp_path):
     assert result.stderr.strip() == "error: the profile has 5 layers but config.json has 8; profile the same model"
 
 
+def test_a_one_rank_profile_without_link_bandwidth_is_refused_in_one_line_and_runs_with_it(llama8, tmp_path):
+    # One GPU profiles compute, but its one rank receives no gather bytes: nothing to scale to N ranks.
+    path = write_profile(tmp_path / "p.json", tokens=(16,), compute_ms=(1.0,), gather_ms=0.05, world_size=1)
+    data = json.loads(path.read_text())
+    data["backends"][0]["recv_bytes_per_forward"] = 0
+    path.write_text(json.dumps(data))
+    command = ["plan", str(llama8), "--ranks", "2", "--preset", "llama", "--profile", str(path)]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip().startswith("error: the profile was measured on 1 rank, which receives no gather")
+    with_link = plan_json(*command[1:], "--link-gbps", "300")  # the profile's compute, the given bandwidth
+    assert with_link["every_layer"]["predictions"] and "--link-gbps" in with_link["gather_source"]
+
+
 def test_plan_and_inspect_run_without_torch(llama8, tmp_path):
     out = tmp_path / "out"
     convert(llama8, out, 2, preset="llama")

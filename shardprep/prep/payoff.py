@@ -375,6 +375,10 @@ def _gather_times(request: PlanRequest, profile: Profile | None, recv: dict[int,
         return None, "", request.backend
     b = profile.backend(request.backend)
     if profile.world_size != n:
+        if b.recv_gbps <= 0:  # one rank gathers nothing from peers: no bandwidth to scale to N ranks
+            raise ProfileError(f"the profile was measured on {profile.world_size} rank, which receives no gather "
+                               f"bytes, so it cannot predict gathers at N = {n}: profile on {n} GPUs, or give "
+                               "--link-gbps (the per-rank receive bandwidth) with this profile's compute times")
         notes.append(f"the profile was measured at N = {profile.world_size}: gathers are estimated from its "
                      f"gather-only bandwidth ({b.recv_gbps:.1f} GB/s) at N = {n}")
         return ({i: r / (b.recv_gbps * GB) * 1e3 for i, r in recv.items()},
