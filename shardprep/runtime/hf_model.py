@@ -8,8 +8,9 @@ element: the targets' own storage is never allocated.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from ..errors import RuntimeShardError
 from ..manifests.dtypes import torch_dtype
 from ..manifests.manifest import MANIFEST_NAME, load_manifest
 from .binding import Binding, bind
+from .block_fp8 import block_size, use_block_fp8_kernels
 
 if TYPE_CHECKING:
     from ..loader.rank_shards import RankShards
@@ -89,6 +91,29 @@ def build_model(
     return binding
 
 
+def load_unsharded(directory: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The transformers model of a plain HF checkpoint (no shards), computed as `build_model`'s is.
+
+    A block-FP8 checkpoint keeps its FP8 layers and runs them on shardprep's kernels (block_fp8.py), where
+    `from_pretrained` alone would fetch its kernel from the hub (or dequantize to bf16 without a GPU): the
+    resident reference a sharded model of the same weights must equal bit for bit.
+
+    >>> reference = load_unsharded("exported/", "cuda:0")  # doctest: +SKIP
+    """
+    import transformers
+
+    directory = Path(directory)
+    config_dict = _read_config(directory, need_manifest=False)
+    causal = any(a.endswith(CAUSAL_LM_SUFFIXES) for a in config_dict.get("architectures") or ())
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    block = block_size(config_dict)
+    with _fp8_layers_kept() if block else contextlib.nullcontext():
+        model = auto.from_pretrained(directory, dtype="auto")
+    if block:
+        use_block_fp8_kernels(model, block)
+    return model.eval().to(device)
+
+
 def checkpoint_renaming(model: torch.nn.Module) -> Callable[[str], str]:
     """The model's name for a checkpoint tensor name: transformers (>= 5) renames some keys as it loads them
     (Kimi-Linear's `block_sparse_moe.` becomes `mlp.`, its `self_attn.f_a_proj.` `self_attn.forget_gate.f_a_proj.`),
@@ -113,8 +138,8 @@ def checkpoint_renaming(model: torch.nn.Module) -> Callable[[str], str]:
     return renamed
 
 
-def _read_config(directory: Path) -> dict[str, Any]:
-    if not (directory / MANIFEST_NAME).is_file():
+def _read_config(directory: Path, need_manifest: bool = True) -> dict[str, Any]:
+    if need_manifest and not (directory / MANIFEST_NAME).is_file():
         raise RuntimeShardError(f"{directory}: no {MANIFEST_NAME}; is it an output directory of `shardprep convert`?")
     path = directory / "config.json"
     try:
@@ -155,9 +180,13 @@ def _from_state_dict(directory: Path, config_dict: dict[str, Any], state_dict: d
             f"{'causal-LM ' if mapping is MODEL_FOR_CAUSAL_LM_MAPPING else ''}model class for "
             f"model_type {config_dict.get('model_type')!r}"
         ) from None
-    model, info = model_class.from_pretrained(
-        None, config=config, state_dict=state_dict, dtype="auto", output_loading_info=True,
-    )
+    block = block_size(config_dict)
+    with _fp8_layers_kept() if block else contextlib.nullcontext():
+        model, info = model_class.from_pretrained(
+            None, config=config, state_dict=state_dict, dtype="auto", output_loading_info=True,
+        )
+    if block:
+        use_block_fp8_kernels(model, block)
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise RuntimeShardError(
@@ -169,3 +198,30 @@ def _from_state_dict(directory: Path, config_dict: dict[str, Any], state_dict: d
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     model.eval()
     return model
+
+
+@contextlib.contextmanager
+def _fp8_layers_kept() -> Iterator[None]:
+    """transformers builds FP8Linear / FP8Experts layers for a block-FP8 checkpoint, also without a GPU.
+
+    Its FP8 quantizer dequantizes the whole model to bf16 at load on a machine without a GPU, because its
+    own kernels need one; shardprep computes those layers itself (block_fp8.py), so the FP8 codes are kept
+    (and a bound target is then the FP8 view the manifest describes). transformers' check for accelerate,
+    which the FP8 layers' construction needs, is kept.
+    """
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.utils import is_accelerate_available
+
+    if not is_accelerate_available():
+        raise RuntimeShardError("a block-FP8 model needs accelerate to build its FP8 layers: pip install accelerate "
+                                "(or shardprep[hf])")
+    original = FineGrainedFP8HfQuantizer.validate_environment
+
+    def keep_fp8(self: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    FineGrainedFP8HfQuantizer.validate_environment = keep_fp8  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FineGrainedFP8HfQuantizer.validate_environment = original  # type: ignore[method-assign]
