@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_checks.sh plan     # bench_plan.py, then tests/test_gpu_plan.py (profile + plan via the CLI)
 #   bash benchmarks/gpu_checks.sh one-gpu        # every gpu test one GPU can run (the others skip)
 #   bash benchmarks/gpu_checks.sh one-gpu-bench  # bench_binding.py and bench_load.py --steps at one rank, 3 times each
+#   bash benchmarks/gpu_checks.sh fp8     # one GPU: tests/test_gpu_fp8.py, bench_fp8_gemm.py 3 times, profile + plan
 # Wheels the GPU image lacks (jsonschema and its dependencies) may be carried in .whl/.
 set -u
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -85,6 +86,48 @@ one-gpu-bench)
     echo "bench_load --steps $i rc=$?" >>"$OUT/bench_load_steps.log"
   done
   grep -E "^\\||rc=" "$OUT/bench_binding.log"; tail -n 40 "$OUT/bench_load_steps.log"
+  ;;
+fp8)
+  { nvidia-smi -L
+    python3 -c "import sys,torch,transformers,triton;print(sys.version,torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"
+  } >"$OUT/checks.log" 2>&1
+  timeout 240 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_fp8.py >"$OUT/gpu_fp8_tests.log" 2>&1
+  echo "gpu fp8 tests rc=$?" >>"$OUT/gpu_fp8_tests.log"
+  for i in 1 2 3; do
+    timeout 100 python3 benchmarks/bench_fp8_gemm.py >>"$OUT/bench_fp8_gemm.log" 2>&1  # its JSON lines are in the log
+    echo "bench_fp8_gemm $i rc=$?" >>"$OUT/bench_fp8_gemm.log"
+  done
+  tail -n 3 "$OUT/checks.log"; grep -E "passed|failed|rc=|Error|assert" "$OUT/gpu_fp8_tests.log" | tail -n 20
+  grep -E "^\\||rc=" "$OUT/bench_fp8_gemm.log"
+  ;;
+fp8-profile)
+  # shardprep profile + plan of one Llama (4 layers of 4096 / 14336, whole 128-blocks) in bf16 and in block FP8,
+  # each converted for 1 rank and profiled on the one GPU (a one-rank "gather" is a local copy)
+  W=/tmp/fp8-profile; mkdir -p $W
+  python3 - "$W" <<'PY' >"$OUT/fp8_profile.log" 2>&1
+import sys, torch, transformers as tf
+sys.path.insert(0, "tests")
+from fp8_fixture import quantize_checkpoint_fp8
+w = sys.argv[1]
+cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+torch.manual_seed(0)
+with torch.device("cuda"):  # random init on the GPU: minutes on the host's CPU
+    model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
+model.save_pretrained(f"{w}/bf16")
+del model
+quantize_checkpoint_fp8(f"{w}/bf16", f"{w}/fp8")
+PY
+  for kind in bf16 fp8; do
+    python3 -m shardprep convert $W/$kind $W/$kind-out --ranks 1 --preset llama --requant none --quiet &&
+      timeout 200 python3 -m shardprep profile $W/$kind-out --nproc 1 --tokens 16,128,1024 --iters 10 \
+        --out "$OUT/profile_$kind.json" --trace "$OUT/trace_$kind.json" >>"$OUT/fp8_profile.log" 2>&1; echo "profile $kind rc=$?" >>"$OUT/fp8_profile.log"
+    # one rank receives no gather bytes: the 2-GPU gather-only bandwidth of ../shared/MEASURED.md (ce, 341 GB/s)
+    python3 -m shardprep plan $W/$kind-out --ranks 2 --profile "$OUT/profile_$kind.json" --link-gbps 341 \
+      >>"$OUT/fp8_profile.log" 2>&1
+    echo "plan $kind rc=$?" >>"$OUT/fp8_profile.log"
+  done
+  tail -n 60 "$OUT/fp8_profile.log"
   ;;
 bench)
   timeout 420 python3 benchmarks/bench_gather.py --out "$OUT/bench_gather.json" >"$OUT/bench_gather.log" 2>&1
