@@ -54,3 +54,13 @@ def test_saved_memory_becomes_tokens_and_requests():
     assert cap.extra_requests == cap.kv_tokens // 4096
     assert cap.startup_peak_bytes == memory.resident_bytes + (10 << 30)
     assert cap.kv_room_sharded_bytes - cap.kv_room_replicated_bytes == memory.saved_bytes
+
+
+@pytest.mark.parametrize("arch, attention_layers", [("kimi-linear", 1), ("kimi-k3", 1)])
+def test_linear_attention_layers_keep_no_per_token_cache(checkpoint_cache, arch, attention_layers):
+    # Three layers, of which layer 2 is MLA and the others KDA (a fixed state per request): transformers' Kimi-Linear
+    # names them in layer_types, vLLM's Kimi K3 config in linear_attn_config.full_attn_layers.
+    c = json.loads((checkpoint_cache(arch, layers=3) / "config.json").read_text())
+    kv = kv_cache_shape(c)
+    assert (kv.kind, kv.layers) == ("mla", attention_layers)
+    assert kv.bytes_per_token == attention_layers * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2

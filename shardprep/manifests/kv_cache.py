@@ -8,8 +8,11 @@ turns into KV-cache tokens on that rank: freed bytes / bytes per token.
 - Multi-head latent attention (DeepSeek-V2/V3 style, `kv_lora_rank` in the config): one compressed
   latent plus the decoupled rotary key: kv_lora_rank + qk_rope_head_dim values.
 
-Every decoder layer is counted (sliding-window or linear-attention layers that keep less are not
-modelled). Encoder-only models (BERT) keep no KV cache.
+Every decoder layer is counted but linear-attention layers (Kimi Delta Attention, Gated DeltaNet), which
+keep a fixed state per request and nothing per token, where the config says which they are:
+`linear_attn_config.full_attn_layers` (vLLM's Kimi-Linear / Kimi K3 config) or `layer_types`
+(transformers'). Sliding-window layers, which keep less, are not modelled. Encoder-only models (BERT)
+keep no KV cache.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class KvCacheShape:
     """What one token of KV cache holds: per layer `values_per_layer` values of `dtype_bytes` bytes."""
 
     kind: str  # "mla" or "mha" (multi-head and grouped-query attention alike)
-    layers: int
+    layers: int  # the layers that keep a per-token cache (not the linear-attention ones)
     values_per_layer: int
     dtype: str
     dtype_bytes: int
@@ -87,7 +90,7 @@ def _kv_cache_shape(config: Mapping[str, Any], kv_dtype: str, where: str) -> KvC
     architectures = config.get("architectures") or ()
     if architectures and not any(a.endswith(DECODER_SUFFIXES) for a in architectures):
         return None
-    layers = _field(config, where, "num_hidden_layers", "num_layers", "n_layer")
+    layers = _cached_layers(config, _field(config, where, "num_hidden_layers", "num_layers", "n_layer"))
     dtype, dtype_bytes = _kv_dtype(config, kv_dtype, where)
     if config.get("kv_lora_rank"):
         values = int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0)
@@ -96,6 +99,17 @@ def _kv_cache_shape(config: Mapping[str, Any], kv_dtype: str, where: str) -> KvC
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = config.get("head_dim") or _field(config, where, "hidden_size", "n_embd") // heads
     return KvCacheShape("mha", layers, 2 * kv_heads * int(head_dim), dtype, dtype_bytes)
+
+
+def _cached_layers(config: Mapping[str, Any], layers: int) -> int:
+    """The decoder layers that keep a per-token cache: all but the linear-attention ones the config names."""
+    linear = config.get("linear_attn_config")
+    if isinstance(linear, Mapping) and isinstance(linear.get("full_attn_layers"), list):
+        return len(linear["full_attn_layers"])
+    types = config.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return sum(1 for kind in types if kind != "linear_attention")
+    return layers
 
 
 def _field(config: Mapping[str, Any], where: str, *names: str) -> int:
