@@ -108,3 +108,10 @@ def test_a_row_multiple_below_one_is_refused_naming_the_view():
     tensors = specs(("l.0.a", "BF16", (2, 8)), ("l.0.b", "BF16", (2, 8)))
     with pytest.raises(LayoutError, match="fused view 'l.0.ab': row_multiple"):
         plan_layer(0, tensors, 2, groups=[FusedGroup("l.0.ab", ("l.0.a", "l.0.b"), row_multiple=0)])
+
+
+def test_pad_rows_after_a_last_member_without_rows_take_the_members_row_size():
+    tensors = specs(("l.0.a", "BF16", (3, 8)), ("l.0.b", "BF16", (0, 8)), ("l.0.c", "BF16", (1, 8)))
+    lay = plan_layer(0, tensors, 1, groups=[FusedGroup("l.0.ab", ("l.0.a", "l.0.b"), row_multiple=4)])
+    assert (lay.views[0].shape, lay.views[0].pad_rows, lay.views[0].nbytes) == ((4, 8), 1, 64)
+    assert {e.name: e.offset for e in lay.entries}["l.0.c"] == 64

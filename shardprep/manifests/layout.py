@@ -196,7 +196,8 @@ def _pad_rows(group: FusedGroup, by_name: dict[str, TensorSpec]) -> int:
 
 
 def _row_bytes(t: TensorSpec) -> int:
-    return t.nbytes // t.shape[0] if t.shape[0] else 0
+    # From the trailing shape, not nbytes / rows: a member may have no rows (members share dtype and trailing shape).
+    return tensor_nbytes(t.dtype, (1, *t.shape[1:]), tensor=t.name)
 
 
 def _check_fusable(group: FusedGroup, members: list[TensorSpec], entry_alignment: int) -> None:
