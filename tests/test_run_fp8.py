@@ -78,3 +78,31 @@ def test_the_cpu_block_fp8_linear_is_the_matmul_of_the_dequantized_blocks():
     got = block_fp8_linear(x, weight, scale, (128, 128))
     assert torch.equal(got, torch.nn.functional.linear(x, dequantized.to(torch.bfloat16)))
     assert torch.equal(got, block_fp8_linear(x, weight, scale, (128, 128)))  # the same bits on every call
+
+
+def test_profile_of_a_block_fp8_output_measures_its_fp8_layers_and_plan_reads_it(fp8_source, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from shardprep.cli import app
+    from shardprep.manifests.profile_format import load_profile
+
+    out, path, trace = tmp_path / "out", tmp_path / "profile.json", tmp_path / "trace.json"
+    convert(fp8_source, out, 2, preset="deepseek-v3")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "shardprep", "profile", str(out), "--dry-run", "--out", str(path),
+                           "--trace", str(trace)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    profile = load_profile(path)
+    assert all(ms > 0 for layer in profile.layers for ms in layer.compute_ms)
+    # The CPU block-FP8 kernel dequantizes per block (repeat_interleave of the scales): the profiled forward
+    # ran the FP8 layers, not a model transformers dequantized to bf16 at load.
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert "aten::repeat_interleave" in names
+    result = CliRunner().invoke(app, ["plan", str(out), "--ranks", "2", "--profile", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert [p["tokens"] for p in json.loads(result.stdout)["every_layer"]["predictions"]] == list(profile.tokens)
