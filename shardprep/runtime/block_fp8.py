@@ -7,10 +7,11 @@ builds such layers as `FP8Linear` / `FP8Experts`, whose forward fetches its kern
 without a GPU it dequantizes the whole model to bf16 at load instead. shardprep keeps the FP8 codes and
 scales where transformers put them (a bound weight is a view of its gathered slot) and computes with:
 
-- CUDA, SM90 and later, K and N multiples of 128: torch's block-scaled GEMM (`torch._scaled_mm` with 1×128
-  activation scales and 128×128 weight scales). The activations are quantized per token and 128 columns
-  (amax / 448, as DeepSeek's recipe), by torch ops that `torch.compile` fuses into one kernel where Triton
-  is available: as plain ops their launches cost more than FP8 saves at decode sizes (docs/benchmarks.md).
+- CUDA, SM90 and later, N a multiple of 128 and K of 512 (`uses_scaled_mm`): torch's block-scaled GEMM
+  (`torch._scaled_mm` with 1×128 activation scales and 128×128 weight scales). The activations are
+  quantized per token and 128 columns (amax / 448, as DeepSeek's recipe): eagerly by plain torch ops, inside
+  a CUDA graph by one kernel that `torch.compile` fuses them into, which a decode step needs for FP8 to pay
+  (docs/benchmarks.md).
 - Everywhere else (the CPU, odd shapes): dequantize the weight block by block in fp32, round it to the
   activations' dtype and `F.linear`. Deterministic: the same inputs give the same bits on every run,
   which is what the sharded-against-unsharded comparisons need.
