@@ -34,7 +34,11 @@ def is_causal_lm(directory: str | Path) -> bool:
 
     >>> is_causal_lm("out/")  # doctest: +SKIP
     """
-    return any(a.endswith(CAUSAL_LM_SUFFIXES) for a in _read_config(Path(directory)).get("architectures") or ())
+    return _names_causal_lm(_read_config(Path(directory)))
+
+
+def _names_causal_lm(config_dict: dict[str, Any]) -> bool:
+    return any(a.endswith(CAUSAL_LM_SUFFIXES) for a in config_dict.get("architectures") or ())
 
 
 def build_model(
@@ -104,13 +108,8 @@ def load_unsharded(directory: str | Path, device: str | torch.device = "cpu") ->
 
     directory = Path(directory)
     config_dict = _read_config(directory, need_manifest=False)
-    causal = any(a.endswith(CAUSAL_LM_SUFFIXES) for a in config_dict.get("architectures") or ())
-    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-    block = block_size(config_dict)
-    with _fp8_layers_kept() if block else contextlib.nullcontext():
-        model = auto.from_pretrained(directory, dtype="auto")
-    if block:
-        use_block_fp8_kernels(model, block)
+    auto = transformers.AutoModelForCausalLM if _names_causal_lm(config_dict) else transformers.AutoModel
+    model = _from_pretrained(auto, config_dict, directory, dtype="auto")
     return model.eval().to(device)
 
 
@@ -162,7 +161,7 @@ def _from_state_dict(directory: Path, config_dict: dict[str, Any], state_dict: d
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
     config = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    causal = is_causal_lm(directory)
+    causal = _names_causal_lm(config_dict)
     mapping = MODEL_FOR_CAUSAL_LM_MAPPING if causal else MODEL_MAPPING
     auto_map = config_dict.get("auto_map") or {}
     remote = auto_map.get("AutoModelForCausalLM" if causal else "AutoModel")
@@ -180,13 +179,8 @@ def _from_state_dict(directory: Path, config_dict: dict[str, Any], state_dict: d
             f"{'causal-LM ' if mapping is MODEL_FOR_CAUSAL_LM_MAPPING else ''}model class for "
             f"model_type {config_dict.get('model_type')!r}"
         ) from None
-    block = block_size(config_dict)
-    with _fp8_layers_kept() if block else contextlib.nullcontext():
-        model, info = model_class.from_pretrained(
-            None, config=config, state_dict=state_dict, dtype="auto", output_loading_info=True,
-        )
-    if block:
-        use_block_fp8_kernels(model, block)
+    model, info = _from_pretrained(model_class, config_dict, None, config=config, state_dict=state_dict, dtype="auto",
+                                   output_loading_info=True)
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise RuntimeShardError(
@@ -198,6 +192,18 @@ def _from_state_dict(directory: Path, config_dict: dict[str, Any], state_dict: d
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     model.eval()
     return model
+
+
+def _from_pretrained(model_class: Any, config_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    """`model_class.from_pretrained(*args, **kwargs)`, a block-FP8 model's FP8 layers kept and computed by
+    shardprep's kernels; what from_pretrained returns (the model, or with `output_loading_info` the pair)."""
+    block = block_size(config_dict)
+    if block is None:
+        return model_class.from_pretrained(*args, **kwargs)
+    with _fp8_layers_kept():
+        loaded = model_class.from_pretrained(*args, **kwargs)
+    use_block_fp8_kernels(loaded[0] if kwargs.get("output_loading_info") else loaded, block)
+    return loaded
 
 
 @contextlib.contextmanager
