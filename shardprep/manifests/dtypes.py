@@ -96,3 +96,17 @@ def torch_dtype(dtype: str, *, tensor: str = "?") -> torch.dtype:
         )
     result: torch.dtype = getattr(torch, attr)
     return result
+
+
+def safetensors_dtype(dtype: torch.dtype, *, tensor: str = "?") -> str:
+    """The safetensors dtype string of a torch dtype (the inverse of `torch_dtype`).
+
+    >>> import torch
+    >>> safetensors_dtype(torch.float8_e4m3fn)
+    'F8_E4M3'
+    """
+    name = str(dtype).removeprefix("torch.")
+    for key, attr in TORCH_NAMES.items():
+        if attr == name:
+            return key
+    raise RuntimeShardError(f"tensor {tensor!r} has dtype {dtype}, which safetensors cannot store")

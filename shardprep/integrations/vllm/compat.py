@@ -12,10 +12,11 @@
 - Building the model: linear layers create their weights in `quant_method.create_weights` while the
   model's constructor runs (`BaseModelLoader.create_model`); `target_weights_without_storage` makes
   the targets' weights there without storage.
-- The other steps vLLM runs on weights after loading (`process_weights_after_loading`): an attention
-  layer's (MLA absorbs kv_b_proj into W_UK/W_UV) and a quantized method's. A bound parameter that one
-  of them would read or rewrite is refused before it runs, and after it ran every bound parameter is
-  checked to be the same object over the same memory.
+- The other steps vLLM runs on weights after loading (`process_weights_after_loading`). An attention
+  layer's (MLA absorbs kv_b_proj into W_UK/W_UV) reads a bound parameter it cannot get: refused before it
+  runs. A quantized method's is run by sharded mode itself, once per layer at load (`is_quantized`,
+  `process_quantized`, and processed_layers.py). After vLLM's pass, every bound parameter is checked to be
+  the same object over the same memory.
 
 Nothing else in shardprep imports vLLM's internals.
 """
@@ -234,37 +235,31 @@ def key_compile_cache(vllm_config: Any, key: str) -> bool:
 
 
 def refuse_post_processed(model: nn.Module, bound: Mapping[str, nn.Parameter]) -> None:
-    """Refuse, in one line naming the parameter and vLLM's step, a bound parameter that vLLM processes after
-    loading: one inside an attention layer with a post-load step (MLA absorbs kv_b_proj into W_UK/W_UV,
-    copies that would stay resident in full and be computed from a weight that is not there; of an MLA layer only
-    kv_b_proj is refused, since that step reads nothing else),
-    or one whose layer has a quantized method (it rewrites the weight). `bound`: manifest name → parameter.
+    """Refuse, in one line naming the parameter and vLLM's step, a bound parameter that an attention layer's
+    post-load step reads: MLA absorbs kv_b_proj into W_UK/W_UV, copies that would stay resident in full and be
+    computed from a weight that is not there (of an MLA layer only kv_b_proj is refused: that step reads nothing
+    else). A quantized method's step is not refused here: sharded mode runs it once per layer at load
+    (`processed_layers.py`) and refuses a processed form it cannot gather there. `bound`: manifest name → parameter.
 
     Call it after binding and before vLLM's `process_weights_after_loading`; it reads module kinds only.
 
     >>> refuse_post_processed(model, binding.target_parameters)  # doctest: +SKIP
     """
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     from ...errors import ShardprepError
 
     names = {id(p): name for name, p in bound.items()}
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if is_deferred_attention_layer(module):
-            owned, step = module.parameters(), f"{type(module).__name__}.process_weights_after_loading"
-            kv_b_proj = getattr(module, "kv_b_proj", None)
-            if isinstance(kv_b_proj, nn.Module):
-                # MLA's step (DeepSeek's MLAAttention, Kimi K3's MultiHeadLatentAttention, which owns all of the
-                # layer's projections) reads kv_b_proj alone and adds W_UK/W_UV of its own: the rest is not its.
-                owned = itertools.chain(kv_b_proj.parameters(), module.parameters(recurse=False))
-                step += " absorbs kv_b_proj into W_UK/W_UV"
-        elif method is not None and not isinstance(method, UnquantizedLinearMethod):
-            owned = module.parameters(recurse=False)
-            step = f"{type(method).__name__}.process_weights_after_loading rewrites quantized weights"
-        else:
+        if not is_deferred_attention_layer(module):
             continue
+        owned, step = module.parameters(), f"{type(module).__name__}.process_weights_after_loading"
+        kv_b_proj = getattr(module, "kv_b_proj", None)
+        if isinstance(kv_b_proj, nn.Module):
+            # MLA's step (DeepSeek's MLAAttention, Kimi K3's MultiHeadLatentAttention, which owns all of the
+            # layer's projections) reads kv_b_proj alone and adds W_UK/W_UV of its own: the rest is not its.
+            owned = itertools.chain(kv_b_proj.parameters(), module.parameters(recurse=False))
+            step += " absorbs kv_b_proj into W_UK/W_UV"
         hit = next((names[id(p)] for p in owned if id(p) in names), None)
         if hit is not None:
             raise ShardprepError(
@@ -272,6 +267,40 @@ def refuse_post_processed(model: nn.Module, bound: Mapping[str, nn.Parameter]) -
                 "weight cannot go through; convert without it (the shipped presets leave such weights "
                 "replicated) or serve this directory in full mode"
             )
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """Whether vLLM rewrites `module`'s weights after loading with a quantized method's step (not an
+    unquantized linear's, which sharded mode keeps on the plain path: `keep_plain_linear`)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    method = getattr(module, "quant_method", None)
+    return method is not None and not isinstance(method, UnquantizedLinearMethod)
+
+
+def process_quantized(module: nn.Module) -> None:
+    """Run vLLM's post-load step of `module`'s quant method now, once, as vLLM's loader would
+    (`model_loader.utils.process_weights_after_loading`), and make vLLM's own pass later skip the module.
+
+    The method object stays the module's (its forward needs it); only this module's later call is skipped, so a
+    method shared with another module still processes that one.
+
+    >>> process_quantized(model.model.layers[1].self_attn.o_proj)  # doctest: +SKIP
+    """
+    method: Any = module.quant_method
+    run = method.process_weights_after_loading
+    run(module)
+    if hasattr(module, "update_param_tp_status"):
+        module.update_param_tp_status()
+    done: set[int] = getattr(method, "_shardprep_processed", set())
+    done.add(id(module))
+    if not hasattr(method, "_shardprep_processed"):
+        def once(layer: nn.Module, _run: Callable[[nn.Module], None] = run) -> None:
+            if id(layer) not in done:
+                _run(layer)
+
+        method._shardprep_processed = done
+        method.process_weights_after_loading = once
 
 
 class ParameterPlace(NamedTuple):
@@ -324,46 +353,75 @@ def keep_plain_linear(module: nn.Module) -> None:
 
 @contextmanager
 def target_weights_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[tuple[str, nn.Parameter]]]:
-    """While vLLM builds a model inside this block, give the weight of every unquantized linear layer whose
-    parameter name `is_target` accepts no storage: its shape, dtype, device and vLLM attributes, and one element.
+    """While vLLM builds a model inside this block, give every linear layer's parameter whose name `is_target`
+    accepts no storage: its shape, dtype, device and vLLM attributes, and one element.
 
     Yields the (name, parameter) pairs made so, for the caller to check that `bind` bound each. vLLM 0.32
-    creates a linear layer's weight in `UnquantizedLinearMethod.create_weights(layer, ...)`, after
-    `LinearBase.__init__` has set `layer.prefix` (the module's name in the model); that method is
-    wrapped for the duration of the block. It runs on the `meta` device (nothing is allocated), and the
-    weight is then swapped for a zero-stride view of one element on vLLM's device, keeping vLLM's
-    parameter class and attributes as vLLM's own `materialize_meta_tensor` does: a `meta` parameter
-    could not be pointed at device memory later (`param.data = ...` refuses to change the tensor
-    type), which is what `bind` does. Quantized targets are built as vLLM builds them (sharded mode
-    refuses them later, in `refuse_post_processed`).
+    creates a linear layer's weights in its method's `create_weights(layer, ...)`, after `LinearBase.__init__`
+    has set `layer.prefix` (the module's name in the model); every linear method's `create_weights` is wrapped
+    for the duration of the block. An unquantized layer's runs on the `meta` device (nothing is allocated); a
+    quantized layer's runs as vLLM runs it, since its scales (not targets) are loaded later, and its target
+    weight (one layer's, already allocated) is freed at once. Each target is then swapped for a zero-stride view
+    of one element on vLLM's device, keeping vLLM's parameter class and attributes as vLLM's own
+    `materialize_meta_tensor` does: a `meta` parameter could not be pointed at device memory later
+    (`param.data = ...` refuses to change the tensor type), which is what `bind` does.
 
     >>> with target_weights_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
     ...     model = initialize_model(vllm_config=vllm_config)
     """
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 
     made: list[tuple[str, nn.Parameter]] = []
-    original = UnquantizedLinearMethod.create_weights
+    depth = [0]  # a method's create_weights may call its base's: only the outermost call swaps
 
-    def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        name = f"{getattr(layer, 'prefix', '')}.weight"
-        if not is_target(name):
-            return original(method, layer, *args, **kwargs)
-        with torch.device("meta"):  # inside vLLM's `with target_device:`, the innermost device context wins
-            result = original(method, layer, *args, **kwargs)
-        built: Any = layer.weight
-        hole = torch.zeros(1, dtype=built.dtype).expand(built.shape)  # on vLLM's device (its context)
-        weight = nn.Parameter(hole, requires_grad=False)
-        weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
-        layer.register_parameter("weight", weight)
-        made.append((name, weight))
-        return result
+    def wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
+        def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            prefix = getattr(layer, "prefix", "")
+            before = set(layer._parameters)
+            if depth[0]:
+                return _counted(original, depth, method, layer, *args, **kwargs)
+            if isinstance(method, UnquantizedLinearMethod) and is_target(f"{prefix}.weight"):
+                with torch.device("meta"):  # inside vLLM's `with target_device:`, the innermost context wins
+                    result = _counted(original, depth, method, layer, *args, **kwargs)
+            else:
+                result = _counted(original, depth, method, layer, *args, **kwargs)
+            for attribute in [a for a in layer._parameters if a not in before and is_target(f"{prefix}.{a}")]:
+                built: Any = layer._parameters[attribute]
+                hole = torch.zeros(1, dtype=built.dtype).expand(built.shape)  # on vLLM's device (its context)
+                weight = nn.Parameter(hole, requires_grad=False)
+                weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
+                layer.register_parameter(attribute, weight)
+                made.append((f"{prefix}.{attribute}", weight))
+            return result
 
-    UnquantizedLinearMethod.create_weights = create_weights
+        return create_weights
+
+    classes = [c for c in _subclasses(LinearMethodBase) if "create_weights" in vars(c)]
+    originals = {c: vars(c)["create_weights"] for c in classes}
+    for c, original in originals.items():
+        c.create_weights = wrapped(original)  # type: ignore[method-assign]
     try:
         yield made
     finally:
-        UnquantizedLinearMethod.create_weights = original
+        for c, original in originals.items():
+            c.create_weights = original  # type: ignore[method-assign]
+
+
+def _counted(original: Callable[..., Any], depth: list[int], *args: Any, **kwargs: Any) -> Any:
+    depth[0] += 1
+    try:
+        return original(*args, **kwargs)
+    finally:
+        depth[0] -= 1
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        found.append(c)
+        todo += c.__subclasses__()
+    return found
 
 
 def logger() -> logging.Logger:

@@ -61,18 +61,21 @@ class ShardprepModelLoader(BaseModelLoader):
         if not self.options.shard_weights:
             load_full(model, directory, self.options.verify)
             return
-        self.binding = load_sharded(model, directory, layout, compat.keep_plain_linear, self.options.verify,
-                                    self.options.shard_group_size, self.options.allow_cross_node_groups,
-                                    refuse_post_processed=compat.refuse_post_processed, manifest=self._manifest)
+        self.binding, processed = load_sharded(
+            model, directory, layout, compat.keep_plain_linear, self.options.verify, self.options.shard_group_size,
+            self.options.allow_cross_node_groups, refuse_post_processed=compat.refuse_post_processed,
+            manifest=self._manifest, is_quantized=compat.is_quantized, process_quantized=compat.process_quantized)
         self._bound_before_processing = compat.bound_places(model, self.binding.target_parameters)
+        # By name: a quantized module processed at load holds new parameter objects under the same names.
         bound = {id(param) for param in self.binding.target_parameters.values()}
-        unbound = [name for name, param in self._without_storage if id(param) not in bound]
+        bound_names = {name for name, param in model.named_parameters() if id(param) in bound}
+        unbound = [name for name, _ in self._without_storage if name not in bound_names]
         if unbound:
             raise ShardprepError(f"{unbound[0]!r} was built without storage as a target of {directory}, but no "
                                  "manifest tensor was bound to it; was the directory converted from this model?")
         if not layout.eager:
             compat.add_splitting_ops(SPLITTING_OPS)
-        compat.logger().info(startup_line(self.binding, directory))
+        compat.logger().info(startup_line(self.binding, directory, processed))
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         # vLLM's process_weights_after_loading runs inside, after load_weights: check that it left every

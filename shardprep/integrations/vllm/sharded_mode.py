@@ -7,8 +7,9 @@ CPU), and loads only the non-targets into the model. Before each bound decoder l
 weights are gathered into one of two slots, one layer ahead, by the two ops that `bind` puts around
 the layer (runtime/layer_ops.py), which vLLM's compiled model calls like any op; vLLM's idle DP ranks
 run dummy forwards of MoE models (all DP ranks step together), so every rank of a group issues the
-same gathers. Nothing here imports vLLM: what depends on it comes in through `ParallelLayout` and the
-`keep_plain_linear` and `refuse_post_processed` callbacks.
+same gathers. A quantized target is processed once at load and sharded as its kernel reads it
+(processed_layers.py). Nothing here imports vLLM: what depends on it comes in through `ParallelLayout` and
+the callbacks (`keep_plain_linear`, `refuse_post_processed`, `is_quantized`, `process_quantized`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ...runtime.gatherer import LayerGatherer
 from ...runtime.shard_groups import shard_group
 from .compat import ParallelLayout
 from .full_mode import check_all_loaded
+from .processed_layers import ProcessedLayers, needs_processing, process_layers
 
 
 def check_layout(layout: ParallelLayout, manifest: Manifest, directory: str | Path,
@@ -77,16 +79,20 @@ def load_sharded(
     allow_cross_node_groups: bool = False,
     refuse_post_processed: Callable[[nn.Module, Mapping[str, nn.Parameter]], None] | None = None,
     manifest: Manifest | None = None,
-) -> Binding:
+    is_quantized: Callable[[nn.Module], bool] = lambda module: False,
+    process_quantized: Callable[[nn.Module], None] | None = None,
+) -> tuple[Binding, ProcessedLayers | None]:
     """Bind `model`'s targets to this DP rank's shards and load its other weights; returns the binding.
 
     Collective over the DP ranks (each builds every shard group, then its group's gatherer).
     `refuse_post_processed(model, bound)` raises for a bound parameter that the server transforms after
-    loading; then `keep_plain_linear(module)` is called for every module that owns a bound parameter. Both
-    run before vLLM post-processes the weights. `group_size` and `allow_cross_node_groups` are the user's
+    loading; then `keep_plain_linear(module)` is called for every module that owns a bound parameter and is
+    not `is_quantized`. Both run before vLLM post-processes the weights. If some bound module is quantized,
+    every bound layer is then processed once (`process_quantized`, vLLM's step) and sharded as processed
+    (processed_layers.py). Returns the binding, and what processing did (None: nothing was quantized). `group_size` and `allow_cross_node_groups` are the user's
     `shard_group_size` and `allow_cross_node_groups` options; `manifest`, DIR's if already read.
 
-    >>> binding = load_sharded(model, "out/", compat.current_layout(), compat.keep_plain_linear)  # doctest: +SKIP
+    >>> binding, _ = load_sharded(model, "out/", compat.current_layout(), compat.keep_plain_linear)  # doctest: +SKIP
     """
     manifest = load_manifest(directory) if manifest is None else manifest
     check_layout(layout, manifest, directory, group_size)
@@ -106,21 +112,28 @@ def load_sharded(
         refuse_post_processed(model, binding.target_parameters)
     bound = {id(p) for p in binding.target_parameters.values()}
     for module in model.modules():
-        if any(id(p) in bound for p in module.parameters(recurse=False)):
+        if any(id(p) in bound for p in module.parameters(recurse=False)) and not is_quantized(module):
             keep_plain_linear(module)
     # One tensor at a time, file-backed on the host, as vLLM's own loader hands them: each is copied into its
     # parameter, so the replicated part is never held twice.
     loaded = model.load_weights(iter_replicated(directory, manifest, "cpu", verify))  # type: ignore[operator]
     check_all_loaded(model, loaded, directory, also=_names_of(model, bound))
-    return binding
+    if not needs_processing(binding, is_quantized):
+        return binding, None
+    if process_quantized is None:
+        raise ShardprepError(f"{directory}: a bound module is quantized, and no step to process it was given")
+    processed = process_layers(binding, is_quantized, process_quantized)
+    return processed.binding, processed
 
 
-def startup_line(binding: Binding, directory: str | Path) -> str:
+def startup_line(binding: Binding, directory: str | Path, processed: ProcessedLayers | None = None) -> str:
     """The one line each rank logs at startup: what it holds against what full weights would take.
 
     DP rank and size, the layers bound, the gather backend, the resident target bytes (its chunks,
     R/N, plus the slots, 2·max|T|) against R, all read from the buffers themselves, and the rank's
     shard group (its DP ranks read back from the gatherer's process group) and rank file (docs/serving.md).
+    With quantized targets processed at load, the bytes are the processed ones (R', |T'|), and the line says
+    how many modules were processed and what the rank file held.
 
     >>> log.info(startup_line(binding, "out/"))  # doctest: +SKIP
     """
@@ -137,7 +150,10 @@ def startup_line(binding: Binding, directory: str | Path) -> str:
             f"resident target bytes {local + gatherer.slot_bytes} = R/N {local} + {gatherer.num_slots} slots "
             f"{gatherer.slot_bytes} (+ {shards.nbytes - local} alignment padding), against {full} for full weights; "
             f"shard group {group_ranks[0] // n} of {dp_size // n} (DP ranks {group_ranks[0]}..{group_ranks[-1]}), "
-            f"rank file {shards.rank} of {n}")
+            f"rank file {shards.rank} of {n}"
+            + ("" if processed is None else
+               f"; processed at load: {len(processed.modules)} quantized modules, their bytes as vLLM's kernels "
+               f"read them (the rank file held {processed.rank_file_bytes})"))
 
 
 def _names_of(model: nn.Module, ids: set[int]) -> set[str]:

@@ -1,0 +1,160 @@
+"""Processing quantized targets once at load (integrations/vllm/processed_layers.py), in the parts that need no
+vLLM: a transformers Llama bound to its rank files, whose o_proj stand in for quantized modules.
+Their "processing" rewrites the bytes the forward reads (the weight negated, a sign parameter added that the
+forward multiplies back), as a server's repacking step rewrites a weight that its kernel undoes. Bound to the
+processed layout at N=2, the model's logits equal the source checkpoint's bit for bit, which they could not if
+the gathered bytes were the unprocessed ones. Processed forms that a gathered view cannot feed are refused naming
+the module, and `compat.process_quantized` makes vLLM's later pass skip only the module it processed.
+
+The real processing (vLLM's FP8 and 4-bit kernels) runs in tests/vllm_engines/test_vllm_fp8.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from spawn_group import run_ranks
+from torch import nn
+
+from shardprep.errors import ShardprepError
+from shardprep.integrations.vllm.compat import process_quantized
+from shardprep.integrations.vllm.processed_layers import needs_processing, process_layers
+from shardprep.prep.convert import convert
+from shardprep.runtime.hf_model import build_model
+
+PROMPT = [[1, 5, 9, 2, 7, 3]]
+
+
+def quantized(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and hasattr(module, "stand_in")
+
+
+def mark(binding) -> None:
+    """Every o_proj and down_proj becomes 'quantized' (processed at load where the preset binds it)."""
+    for name, module in binding.model.named_modules():
+        if name.endswith(("o_proj", "down_proj")):
+            module.stand_in = True
+
+
+def negate(module: nn.Module) -> None:
+    """A processing step: the weight's bytes rewritten (as a new parameter, as vLLM's replace_parameter does)."""
+    module.weight = nn.Parameter(-module.weight.detach(), requires_grad=False)
+    module.sign = nn.Parameter(torch.tensor([-1.0], dtype=module.weight.dtype), requires_grad=False)
+    module.forward = lambda x, m=module: F.linear(x, m.weight * m.sign)
+
+
+def _bound_logits(rank: int, world_size: int, out: str) -> dict:
+    binding = build_model(out, "cpu")
+    mark(binding)
+    assert needs_processing(binding, quantized)
+    processed = process_layers(binding, quantized, negate)
+    new = processed.binding
+    with torch.no_grad():
+        logits = new.model(torch.tensor(PROMPT)).logits
+    o_proj = new.model.model.layers[1].self_attn.o_proj
+    return {"logits": logits.float().tolist(), "modules": processed.modules, "sign": float(o_proj.sign),
+            "entries": [e.name for e in new.shards.manifest.layer(1).entries]}
+
+
+@pytest.fixture(scope="module")
+def llama_n2(checkpoint_cache, tmp_path_factory):
+    src = checkpoint_cache("llama")
+    out = tmp_path_factory.mktemp("processed") / "out"
+    convert(src, out, 2, preset="llama")
+    return src, out
+
+
+def test_a_model_bound_to_processed_layers_gives_the_sources_logits_bit_for_bit(llama_n2):
+    import transformers
+
+    src, out = llama_n2
+    reference = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(torch.tensor(PROMPT)).logits
+    results = run_ranks(_bound_logits, 2, str(out), timeout=300)
+    for got in results:
+        assert got["logits"] == expected.float().tolist()
+        assert got["sign"] == -1.0  # the processed form ran: its parameter was gathered, not left at its hole
+        # The llama preset shards layers 1.. (attention only): their o_proj are the processed modules.
+        assert got["modules"] == ("model.layers.1.self_attn.o_proj", "model.layers.2.self_attn.o_proj")
+        # The processed layout holds the processed modules' every parameter and the others' bound ones.
+        assert "model.layers.1.self_attn.o_proj.sign" in got["entries"]
+        assert "model.layers.1.self_attn.q_proj.weight" in got["entries"]
+
+
+def test_without_a_quantized_module_nothing_is_processed(llama_n2, world_of_one, tmp_path):
+    src, _ = llama_n2
+    out = tmp_path / "n1"
+    convert(src, out, 1, preset="llama")
+    assert not needs_processing(build_model(out, "cpu"), quantized)
+
+
+def _refused(out, step) -> str:
+    binding = build_model(out, "cpu")
+    mark(binding)
+    with pytest.raises(ShardprepError) as caught:
+        process_layers(binding, quantized, step)
+    assert "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+class Handle:
+    """What a oneDNN-style kernel keeps: an object that holds the weight's address."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.address = weight.data_ptr()
+
+
+def weight_into_handle(module: nn.Module) -> None:
+    module.handle = Handle(module.weight)
+    module.weight = None
+
+
+def tensor_as_attribute(module: nn.Module) -> None:
+    module.packed = module.weight.detach().clone()
+
+
+def handle_beside_weight(module: nn.Module) -> None:
+    module.handle = Handle(module.weight)
+
+
+def transposed(module: nn.Module) -> None:
+    module.weight = nn.Parameter(module.weight.detach().t(), requires_grad=False)
+
+
+@pytest.mark.parametrize("step, says", [
+    (weight_into_handle, "left model.layers.1.self_attn.o_proj.weight None"),
+    (tensor_as_attribute, "keeps model.layers.1.self_attn.o_proj.packed (Tensor) outside the module's registered"),
+    (handle_beside_weight, "keeps model.layers.1.self_attn.o_proj.handle (Handle) outside the module's registered"),
+    (transposed, "left model.layers.1.self_attn.o_proj.weight not contiguous (shape [64, 64], stride [1, 64])"),
+])
+def test_a_processed_form_a_gathered_view_cannot_feed_is_refused_naming_the_module(llama_n2, world_of_one,
+                                                                                   tmp_path, step, says):
+    src, _ = llama_n2
+    out = tmp_path / "n1"
+    convert(src, out, 1, preset="llama")
+    error = _refused(out, step)
+    assert error.startswith("shard_weights: Linear.process_weights_after_loading "), error
+    assert says in error, error
+    assert error.endswith("serve this directory in full mode"), error
+
+
+class Method:
+    """A quant method as vLLM holds one: an object on the module, shared here by two modules."""
+
+    def __init__(self):
+        self.ran: list[nn.Module] = []
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.ran.append(layer)
+
+
+def test_process_quantized_runs_vllms_step_once_and_makes_vllms_pass_skip_only_that_module():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    a.quant_method = b.quant_method = method = Method()
+    process_quantized(a)
+    assert method.ran == [a]
+    for module in (a, b):  # what vLLM's own pass does after loading
+        module.quant_method.process_weights_after_loading(module)
+    assert method.ran == [a, b]
