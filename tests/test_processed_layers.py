@@ -19,8 +19,10 @@ from torch import nn
 
 from shardprep.errors import ShardprepError
 from shardprep.integrations.vllm.compat import process_quantized
-from shardprep.integrations.vllm.processed_layers import needs_processing, process_layers
+from shardprep.integrations.vllm.processed_layers import PlaceholderGatherer, needs_processing, process_layers
+from shardprep.loader.rank_shards import open_rank
 from shardprep.prep.convert import convert
+from shardprep.runtime.binding import bind
 from shardprep.runtime.hf_model import build_model
 
 PROMPT = [[1, 5, 9, 2, 7, 3]]
@@ -30,11 +32,18 @@ def quantized(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and hasattr(module, "stand_in")
 
 
-def mark(binding) -> None:
-    """Every o_proj and down_proj becomes 'quantized' (processed at load where the preset binds it)."""
+def placeholder_bound(out, rank: int = 0, world_size: int = 1):
+    """A transformers model of `out` with its replicated weights loaded and its targets bound to placeholders over
+    this rank's unread shards, as vLLM's sharded mode has it before processing. Every o_proj and down_proj becomes
+    'quantized' (processed at load where the preset binds it)."""
+    loaded = build_model(out, "cpu")
+    loaded.remove()
+    shards = open_rank(out, rank, world_size=world_size)
+    binding = bind(loaded.model, shards, PlaceholderGatherer(shards))
     for name, module in binding.model.named_modules():
         if name.endswith(("o_proj", "down_proj")):
             module.stand_in = True
+    return binding
 
 
 def negate(module: nn.Module) -> None:
@@ -45,16 +54,17 @@ def negate(module: nn.Module) -> None:
 
 
 def _bound_logits(rank: int, world_size: int, out: str) -> dict:
-    binding = build_model(out, "cpu")
-    mark(binding)
+    binding = placeholder_bound(out, rank, world_size)
+    assert not binding.shards.loaded
     assert needs_processing(binding, quantized)
-    processed = process_layers(binding, quantized, negate)
+    processed = process_layers(binding, None, quantized, negate)
     new = processed.binding
     with torch.no_grad():
         logits = new.model(torch.tensor(PROMPT)).logits
     o_proj = new.model.model.layers[1].self_attn.o_proj
     return {"logits": logits.float().tolist(), "modules": processed.modules, "sign": float(o_proj.sign),
-            "entries": [e.name for e in new.shards.manifest.layer(1).entries]}
+            "entries": [e.name for e in new.shards.manifest.layer(1).entries],
+            "never_read_whole": not binding.shards.loaded}  # each layer's chunk read alone
 
 
 @pytest.fixture(scope="module")
@@ -81,20 +91,20 @@ def test_a_model_bound_to_processed_layers_gives_the_sources_logits_bit_for_bit(
         # The processed layout holds the processed modules' every parameter and the others' bound ones.
         assert "model.layers.1.self_attn.o_proj.sign" in got["entries"]
         assert "model.layers.1.self_attn.q_proj.weight" in got["entries"]
+        assert got["never_read_whole"]
 
 
 def test_without_a_quantized_module_nothing_is_processed(llama_n2, world_of_one, tmp_path):
     src, _ = llama_n2
     out = tmp_path / "n1"
     convert(src, out, 1, preset="llama")
-    assert not needs_processing(build_model(out, "cpu"), quantized)
+    assert not needs_processing(build_model(out, "cpu"), quantized)  # no module marked
 
 
 def _refused(out, step) -> str:
-    binding = build_model(out, "cpu")
-    mark(binding)
+    binding = placeholder_bound(out)
     with pytest.raises(ShardprepError) as caught:
-        process_layers(binding, quantized, step)
+        process_layers(binding, None, quantized, step)
     assert "\n" not in str(caught.value)
     return str(caught.value)
 
@@ -150,11 +160,47 @@ class Method:
         self.ran.append(layer)
 
 
-def test_process_quantized_runs_vllms_step_once_and_makes_vllms_pass_skip_only_that_module():
+def test_process_quantized_runs_vllms_step_each_time_and_makes_vllms_pass_skip_only_that_module():
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     a.quant_method = b.quant_method = method = Method()
     process_quantized(a)
-    assert method.ran == [a]
+    process_quantized(a)  # sharded mode's second pass
+    assert method.ran == [a, a]
     for module in (a, b):  # what vLLM's own pass does after loading
         module.quant_method.process_weights_after_loading(module)
-    assert method.ran == [a, b]
+    assert method.ran == [a, a, b]
+
+
+class Kernel:
+    """A kernel object a quant method holds, as vLLM's hold theirs."""
+
+
+def point_at_its_kernel(module: nn.Module) -> None:
+    module.warmup_provider = module.kernel  # DeepGEMM sets layer.deep_gemm_warmup_provider = the kernel itself
+    negate(module)
+
+
+def test_a_processed_module_may_point_at_an_object_it_held_already(llama_n2, world_of_one, tmp_path):
+    src, _ = llama_n2
+    out = tmp_path / "n1"
+    convert(src, out, 1, preset="llama")
+    binding = placeholder_bound(out)
+    for name, module in binding.model.named_modules():
+        if name.endswith("o_proj"):
+            module.kernel = Kernel()
+    assert len(process_layers(binding, None, quantized, point_at_its_kernel).modules) == 2
+
+
+def test_a_step_that_gives_other_bytes_the_second_time_is_refused(llama_n2, world_of_one, tmp_path):
+    src, _ = llama_n2
+    out = tmp_path / "n1"
+    convert(src, out, 1, preset="llama")
+    calls = []
+
+    def drifting(module: nn.Module) -> None:
+        calls.append(module)
+        module.weight = nn.Parameter(module.weight.detach() + len(calls), requires_grad=False)
+
+    error = _refused(out, drifting)
+    assert error == ("shard_weights: processing layer 1 again gave other bytes (the server's processing is not "
+                     "deterministic there); serve this directory in full mode"), error

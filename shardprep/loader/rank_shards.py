@@ -136,6 +136,34 @@ class RankShards:
             raise RuntimeShardError(f"layer {layer} is not in the manifest (it has {sorted(self._records)})") from None
         return self.buffer[r.file_offset:r.file_offset + r.chunk_bytes]
 
+    def read_chunk(self, layer: int) -> torch.Tensor:
+        """This rank's chunk of `layer` in a tensor of its own on `device`: read from the rank file alone, the rest of
+        the file left unread (copied from the buffer if it is loaded already).
+
+        For a loader that handles one layer at a time (vLLM's sharded mode processing quantized targets): the
+        rank's bytes are then never all in memory at once.
+
+        >>> own = shards.read_chunk(1)  # doctest: +SKIP
+        """
+        try:
+            r = self._records[layer]
+        except KeyError:
+            raise RuntimeShardError(f"layer {layer} is not in the manifest (it has {sorted(self._records)})") from None
+        if self._buffer is not None:
+            return self.chunk(layer).clone()
+        unread = self._unread
+        if unread is None:
+            raise RuntimeShardError(f"rank {self.rank}'s shard file could not be read (see the first error); "
+                                    "open_rank again")
+        out = torch.empty(r.chunk_bytes, dtype=torch.uint8, device=self._device)
+        staging = None
+        if out.device.type != "cpu":
+            staging = torch.empty(max(2, min(unread.staging_bytes, r.chunk_bytes)) // 2 * 2, dtype=torch.uint8,
+                                  pin_memory=True)
+        read = _file_reader(unread, self.rank)
+        copy_through_staging(out, lambda into, offset: read(into, r.file_offset + offset), staging)
+        return out
+
     def rehome(self, allocate: Allocate) -> None:
         """Put the buffer in memory from `allocate` (a backend's registered or shareable memory).
 

@@ -279,28 +279,52 @@ def is_quantized(module: nn.Module) -> bool:
 
 
 def process_quantized(module: nn.Module) -> None:
-    """Run vLLM's post-load step of `module`'s quant method now, once, as vLLM's loader would
+    """Run vLLM's post-load step of `module`'s quant method now, as vLLM's loader would
     (`model_loader.utils.process_weights_after_loading`), and make vLLM's own pass later skip the module.
 
-    The method object stays the module's (its forward needs it); only this module's later call is skipped, so a
-    method shared with another module still processes that one.
+    Each call runs the step (sharded mode runs it twice per module: processed_layers.py says why); only vLLM's
+    own later call is skipped, and only for modules processed here, so a method object shared with another
+    module still processes that one.
 
     >>> process_quantized(model.model.layers[1].self_attn.o_proj)  # doctest: +SKIP
     """
     method: Any = module.quant_method
-    run = method.process_weights_after_loading
-    run(module)
-    if hasattr(module, "update_param_tp_status"):
-        module.update_param_tp_status()
-    done: set[int] = getattr(method, "_shardprep_processed", set())
-    done.add(id(module))
-    if not hasattr(method, "_shardprep_processed"):
-        def once(layer: nn.Module, _run: Callable[[nn.Module], None] = run) -> None:
-            if id(layer) not in done:
-                _run(layer)
+    if not hasattr(method, "_shardprep_step"):
+        step, done = method.process_weights_after_loading, set[int]()
 
-        method._shardprep_processed = done
-        method.process_weights_after_loading = once
+        def unless_done(layer: nn.Module) -> None:
+            if id(layer) not in done:
+                step(layer)
+
+        method._shardprep_step, method._shardprep_done = step, done
+        method.process_weights_after_loading = unless_done
+    method._shardprep_step(module)
+    update: Any = getattr(module, "update_param_tp_status", None)  # as vLLM's loader does after each step
+    if update is not None:
+        update()
+    method._shardprep_done.add(id(module))
+
+
+def defaulted_parameters(model: nn.Module) -> set[str]:
+    """The model's parameters a checkpoint may lack, by vLLM's own rule for quantized models
+    (`DefaultModelLoader.track_weights_loading`): an attention layer's KV-cache scales (`BaseKVCacheMethod`, which
+    sets defaults), an online-quantized method's, empty placeholders, and `input_scale_ub` (from the config).
+
+    A compressed-tensors checkpoint without KV-cache quantization leaves every `attn.k_scale` unloaded, as vLLM's
+    own loader does; the load checks of full and sharded mode accept those.
+
+    >>> check_all_loaded(model, loaded, "out/", also=defaulted_parameters(model))  # doctest: +SKIP
+    """
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    names = set()
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        exempt = isinstance(method, BaseKVCacheMethod) or getattr(method, "uses_meta_device", False)
+        for attribute, param in module.named_parameters(recurse=False):
+            if exempt or param.numel() == 0 or attribute == "input_scale_ub":
+                names.add(f"{name}.{attribute}" if name else attribute)
+    return names
 
 
 class ParameterPlace(NamedTuple):
@@ -399,12 +423,12 @@ def target_weights_without_storage(is_target: Callable[[str], bool]) -> Iterator
     classes = [c for c in _subclasses(LinearMethodBase) if "create_weights" in vars(c)]
     originals = {c: vars(c)["create_weights"] for c in classes}
     for c, original in originals.items():
-        c.create_weights = wrapped(original)  # type: ignore[method-assign]
+        c.create_weights = wrapped(original)  # type: ignore[attr-defined]
     try:
         yield made
     finally:
         for c, original in originals.items():
-            c.create_weights = original  # type: ignore[method-assign]
+            c.create_weights = original  # type: ignore[attr-defined]
 
 
 def _counted(original: Callable[..., Any], depth: list[int], *args: Any, **kwargs: Any) -> Any:

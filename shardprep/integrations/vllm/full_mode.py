@@ -34,15 +34,16 @@ def output_weights(directory: str | Path, verify: bool = True) -> Iterator[tuple
     yield from iter_full_targets(directory, verify=verify, manifest=manifest)
 
 
-def load_full(model: nn.Module, directory: str | Path, verify: bool = True) -> None:
+def load_full(model: nn.Module, directory: str | Path, verify: bool = True, optional: Collection[str] = ()) -> None:
     """Load a vLLM model's weights from a convert output through the model's own `load_weights`.
 
-    Refuses a model that is left with a parameter the output does not hold.
+    Refuses a model that is left with a parameter the output does not hold, other than those in `optional`
+    (parameters the server gives defaults: `compat.defaulted_parameters`).
 
     >>> load_full(model, "out/")  # doctest: +SKIP
     """
     loaded = model.load_weights(output_weights(directory, verify))  # type: ignore[operator]
-    check_all_loaded(model, loaded, directory)
+    check_all_loaded(model, loaded, directory, also=optional)
 
 
 def check_all_loaded(model: nn.Module, loaded: Iterable[str] | None, directory: str | Path,

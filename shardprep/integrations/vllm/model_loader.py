@@ -59,12 +59,13 @@ class ShardprepModelLoader(BaseModelLoader):
             if not layout.eager:
                 compat.trace_moe_as_one_op(model)
         if not self.options.shard_weights:
-            load_full(model, directory, self.options.verify)
+            load_full(model, directory, self.options.verify, optional=compat.defaulted_parameters(model))
             return
         self.binding, processed = load_sharded(
             model, directory, layout, compat.keep_plain_linear, self.options.verify, self.options.shard_group_size,
             self.options.allow_cross_node_groups, refuse_post_processed=compat.refuse_post_processed,
-            manifest=self._manifest, is_quantized=compat.is_quantized, process_quantized=compat.process_quantized)
+            manifest=self._manifest, is_quantized=compat.is_quantized, process_quantized=compat.process_quantized,
+            optional=compat.defaulted_parameters(model))
         self._bound_before_processing = compat.bound_places(model, self.binding.target_parameters)
         # By name: a quantized module processed at load holds new parameter objects under the same names.
         bound = {id(param) for param in self.binding.target_parameters.values()}

