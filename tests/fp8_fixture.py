@@ -60,12 +60,14 @@ def quantize_checkpoint_fp8(
     *,
     block: int = 128,
     skip: Callable[[str], bool] = lambda name: False,
+    ignored_layers: list[str] | None = None,
 ) -> Path:
     """Copy an HF safetensors checkpoint with every projection weight (not `skip(name)`) in block FP8.
 
     Each quantized "X.weight" gets an "X.weight_scale_inv" in the same file; the file split is the
     source's, the index (when there is one) maps the new scales, and config.json gains
-    QUANTIZATION_CONFIG. Every other file is copied as is.
+    QUANTIZATION_CONFIG, with `ignored_layers` (module names a server keeps unquantized, as the
+    weights `skip` left in bfloat16) when given. Every other file is copied as is.
     """
     src, dst = Path(src_dir), Path(dst_dir)
     dst.mkdir(parents=True, exist_ok=True)
@@ -91,6 +93,8 @@ def quantize_checkpoint_fp8(
         (dst / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = dict(QUANTIZATION_CONFIG, weight_block_size=[block, block])
+    if ignored_layers:
+        config["quantization_config"]["ignored_layers"] = list(ignored_layers)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for path in src.iterdir():
         if path.is_file() and path.name not in {*files, INDEX_NAME, "config.json"}:

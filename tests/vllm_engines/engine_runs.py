@@ -18,7 +18,8 @@ its DP rank. A DP rank waits for its peers before shutting an engine down: an id
 keep taking part in the collectives until the busiest rank is done.
 
 PLAN: {"dp_size": N, "env" (optional: variables for every engine process), "runs": [{"name", "model" (a path,
-or one per DP rank), "llm" (LLM kwargs), "prompts" (one list per DP rank), "max_tokens" (one per DP rank)}]}.
+or one per DP rank), "llm" (LLM kwargs), "prompts" (one list per DP rank), "max_tokens" (one per DP rank), "env"
+(optional: variables set while this engine starts and runs)}]}.
 RESULTS: {name: [per DP rank: {"tokens": [[ids] per prompt], "top2": [[[two best log-probabilities] per token]
 per prompt]} or {"error": "Type: message"}]}.
 Tests call `run_engines(plan, workdir)`, which runs this script in a subprocess and keeps everything it
@@ -37,6 +38,8 @@ import sys
 import traceback
 from pathlib import Path
 
+import moved_weights
+import quant_kernels
 import same_kernels
 
 HERE = str(Path(__file__).parent)
@@ -61,6 +64,8 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
     plan_path.write_text(json.dumps(plan))
     plugins = workdir / "plugins"
     declare_vllm_plugin(plugins, same_kernels.NAME, "same_kernels:register")  # acts only where env asks
+    declare_vllm_plugin(plugins, quant_kernels.NAME, "quant_kernels:register")  # likewise
+    declare_vllm_plugin(plugins, moved_weights.NAME, "moved_weights:register")  # likewise
     path = os.pathsep.join(p for p in (HERE, str(plugins), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(plan["dp_size"]), "PYTHONPATH": path}
     with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs
@@ -79,17 +84,18 @@ def declare_vllm_plugin(directory: Path, name: str, entry: str) -> None:
     (meta / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{name} = {entry}\n")
 
 
-def own_rank_files(out: Path, root: Path, dp_size: int) -> list[str]:
+def own_rank_files(out: Path, root: Path, dp_size: int, suffix: str = "") -> list[str]:
     """One directory per DP rank holding only the rank file it serves (rank r of a group of N: file r mod N).
 
-    DP rank r must never need another rank's file; hard links keep the copies free.
+    DP rank r must never need another rank's file; hard links keep the copies free. `suffix` tells apart
+    two sets made from one output.
     """
     from shardprep.manifests import load_manifest
 
     manifest = load_manifest(out)
     dirs = []
     for rank in range(dp_size):
-        mine = shutil.copytree(out, root / f"{out.name}-dp{rank}", copy_function=os.link)
+        mine = shutil.copytree(out, root / f"{out.name}{suffix}-dp{rank}", copy_function=os.link)
         for other, rel in enumerate(manifest.rank_files):
             if other != rank % manifest.world_size:
                 os.unlink(mine / rel)
@@ -111,6 +117,8 @@ def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, d
         os.environ["VLLM_DP_MASTER_PORT"] = str(port)
         model = run["model"] if isinstance(run["model"], str) else run["model"][dp_rank]
         llm = None
+        saved = {key: os.environ.get(key) for key in run.get("env", {})}
+        os.environ.update(run.get("env", {}))
         try:
             llm = LLM(model=model, **run["llm"])
             params = SamplingParams(temperature=0, max_tokens=run["max_tokens"][dp_rank], ignore_eos=True, logprobs=2)
@@ -120,6 +128,12 @@ def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, d
         except Exception as exc:  # recorded: the refusal cases expect one
             traceback.print_exc()
             results[run["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    del os.environ[key]
+                else:
+                    os.environ[key] = value
         if barrier is not None:
             barrier.wait(timeout=900)  # every DP rank's requests are done before any engine stops
         del llm

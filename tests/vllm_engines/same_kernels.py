@@ -6,7 +6,8 @@ CPU GEMMs repack a weight once, which a weight gathered anew every forward canno
 AMX, vLLM's own full-mode layers use oneDNN or its SGL kernels instead, whose bf16 rounding differs, so a token
 comparison of sharded mode against full mode would compare kernels as much as sharding. With
 SHARDPREP_TEST_SAME_KERNELS=1 in an engine's environment, full mode marks the same layers as sharded mode would
-(`_cpu_skip_gemm_dispatch`), so the two runs differ only by where the weights come from. On an AVX2-only CPU
+(`_cpu_skip_gemm_dispatch`: the unquantized ones; a quantized target goes through vLLM's own processing in both
+modes), so the two runs differ only by where the weights come from. On an AVX2-only CPU
 vLLM falls back to `F.linear` everywhere and this changes nothing.
 
 Compiled by Inductor, kernels are not enough: sharded mode's graph has the two gather ops around every bound
@@ -41,7 +42,7 @@ SAME_GRAPH_LINE = "shardprep test plugin: full mode runs the gather ops, gatheri
 def register() -> None:
     if os.environ.get(ENV) != "1":
         return
-    from shardprep.integrations.vllm import model_loader
+    from shardprep.integrations.vllm import compat, model_loader
     from shardprep.manifests import load_manifest
 
     loader = model_loader.ShardprepModelLoader
@@ -56,7 +57,9 @@ def register() -> None:
         manifest = load_manifest(model_config.model)
         is_target = model_loader.bound_later(manifest)
         for name, module in model.named_modules():
-            if any(is_target(f"{name}.{p}") for p, _ in module.named_parameters(recurse=False)):
+            # As sharded mode does (compat.keep_plain_linear): a quantized module keeps vLLM's own processing.
+            if any(is_target(f"{name}.{p}") for p, _ in module.named_parameters(recurse=False)) and \
+                    not compat.is_quantized(module):
                 module._cpu_skip_gemm_dispatch = True
         if os.environ.get(GRAPH_ENV) == "1":
             bind_ops_without_gathers(model, manifest)

