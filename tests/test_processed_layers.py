@@ -75,6 +75,13 @@ def llama_n2(checkpoint_cache, tmp_path_factory):
     return src, out
 
 
+@pytest.fixture(scope="module")
+def llama_n1(checkpoint_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("processed") / "n1"
+    convert(checkpoint_cache("llama"), out, 1, preset="llama")
+    return out
+
+
 def test_a_model_bound_to_processed_layers_gives_the_sources_logits_bit_for_bit(llama_n2):
     import transformers
 
@@ -94,10 +101,8 @@ def test_a_model_bound_to_processed_layers_gives_the_sources_logits_bit_for_bit(
         assert got["never_read_whole"]
 
 
-def test_without_a_quantized_module_nothing_is_processed(llama_n2, world_of_one, tmp_path):
-    src, _ = llama_n2
-    out = tmp_path / "n1"
-    convert(src, out, 1, preset="llama")
+def test_without_a_quantized_module_nothing_is_processed(llama_n1, world_of_one):
+    out = llama_n1
     assert not needs_processing(build_model(out, "cpu"), quantized)  # no module marked
 
 
@@ -139,12 +144,9 @@ def transposed(module: nn.Module) -> None:
     (handle_beside_weight, "keeps model.layers.1.self_attn.o_proj.handle (Handle) outside the module's registered"),
     (transposed, "left model.layers.1.self_attn.o_proj.weight not contiguous (shape [64, 64], stride [1, 64])"),
 ])
-def test_a_processed_form_a_gathered_view_cannot_feed_is_refused_naming_the_module(llama_n2, world_of_one,
-                                                                                   tmp_path, step, says):
-    src, _ = llama_n2
-    out = tmp_path / "n1"
-    convert(src, out, 1, preset="llama")
-    error = _refused(out, step)
+def test_a_processed_form_a_gathered_view_cannot_feed_is_refused_naming_the_module(llama_n1, world_of_one, step,
+                                                                                   says):
+    error = _refused(llama_n1, step)
     assert error.startswith("shard_weights: Linear.process_weights_after_loading "), error
     assert says in error, error
     assert error.endswith("serve this directory in full mode"), error
@@ -180,27 +182,21 @@ def point_at_its_kernel(module: nn.Module) -> None:
     negate(module)
 
 
-def test_a_processed_module_may_point_at_an_object_it_held_already(llama_n2, world_of_one, tmp_path):
-    src, _ = llama_n2
-    out = tmp_path / "n1"
-    convert(src, out, 1, preset="llama")
-    binding = placeholder_bound(out)
+def test_a_processed_module_may_point_at_an_object_it_held_already(llama_n1, world_of_one):
+    binding = placeholder_bound(llama_n1)
     for name, module in binding.model.named_modules():
         if name.endswith("o_proj"):
             module.kernel = Kernel()
     assert len(process_layers(binding, None, quantized, point_at_its_kernel).modules) == 2
 
 
-def test_a_step_that_gives_other_bytes_the_second_time_is_refused(llama_n2, world_of_one, tmp_path):
-    src, _ = llama_n2
-    out = tmp_path / "n1"
-    convert(src, out, 1, preset="llama")
+def test_a_step_that_gives_other_bytes_the_second_time_is_refused(llama_n1, world_of_one):
     calls = []
 
     def drifting(module: nn.Module) -> None:
         calls.append(module)
         module.weight = nn.Parameter(module.weight.detach() + len(calls), requires_grad=False)
 
-    error = _refused(out, drifting)
+    error = _refused(llama_n1, drifting)
     assert error == ("shard_weights: processing layer 1 again gave other bytes (the server's processing is not "
                      "deterministic there); serve this directory in full mode"), error

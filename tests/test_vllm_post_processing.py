@@ -2,8 +2,9 @@
 the server's check about every bound parameter before loading anything, and a bound parameter that the
 processing replaced or moved is refused naming it.
 
-The check that knows vLLM's steps (`compat.refuse_post_processed`: MLA's absorption of kv_b_proj, quantized
-methods) runs inside vLLM in tests/vllm_engines/test_vllm_mla.py.
+The check that knows vLLM's steps (`compat.refuse_post_processed`: MLA's absorption of kv_b_proj) runs inside vLLM
+in tests/vllm_engines/test_vllm_mla.py; quantized targets are processed at load instead (test_processed_layers.py,
+tests/vllm_engines/test_vllm_fp8.py and test_vllm_quantized.py).
 """
 
 from __future__ import annotations
