@@ -5,8 +5,8 @@ each variant captured in one CUDA graph and timed by its replays (median of `--i
 
 - bf16: `x @ W.T`;
 - fp8 plain ops: torch's block-scaled GEMM with the activation quantization as uncompiled torch ops;
-- fp8 shardprep: `block_fp8_linear` as the runtime calls it (captured: the quantization compiled by torch.compile);
-- also shardprep's eager time (no graph: the quantization as plain ops), what a forward outside a graph pays.
+- fp8 shardprep: `block_fp8_linear` as the runtime calls it (the quantization: one Triton kernel);
+- also shardprep's eager time (no graph), what a forward outside a graph pays.
 
 The floor is FP8's weight bytes over the HBM bandwidth (the datasheet's 4.8 TB/s, and a device-to-device
 copy measured in the same run). One JSON line per token count, then a table.

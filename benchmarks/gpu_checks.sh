@@ -5,7 +5,9 @@
 #   bash benchmarks/gpu_checks.sh plan     # bench_plan.py, then tests/test_gpu_plan.py (profile + plan via the CLI)
 #   bash benchmarks/gpu_checks.sh one-gpu        # every gpu test one GPU can run (the others skip)
 #   bash benchmarks/gpu_checks.sh one-gpu-bench  # bench_binding.py and bench_load.py --steps at one rank, 3 times each
-#   bash benchmarks/gpu_checks.sh fp8     # one GPU: tests/test_gpu_fp8.py, bench_fp8_gemm.py 3 times, profile + plan
+#   bash benchmarks/gpu_checks.sh fp8     # one GPU: tests/test_gpu_fp8.py, bench_fp8_gemm.py 3 times, bench_fp8_kernels.py
+#   EAGER=1 bash benchmarks/gpu_checks.sh fp8-profile  # one GPU: profile + plan of a bf16 and a block-FP8 Llama
+#                                                      # (EAGER=1: also profile --eager)
 # Wheels the GPU image lacks (jsonschema and its dependencies) may be carried in .whl/.
 set -u
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -91,14 +93,16 @@ fp8)
   { nvidia-smi -L
     python3 -c "import sys,torch,transformers,triton;print(sys.version,torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"
   } >"$OUT/checks.log" 2>&1
-  timeout 240 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_fp8.py >"$OUT/gpu_fp8_tests.log" 2>&1
+  timeout 300 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_fp8.py >"$OUT/gpu_fp8_tests.log" 2>&1
   echo "gpu fp8 tests rc=$?" >>"$OUT/gpu_fp8_tests.log"
   for i in 1 2 3; do
     timeout 100 python3 benchmarks/bench_fp8_gemm.py >>"$OUT/bench_fp8_gemm.log" 2>&1  # its JSON lines are in the log
     echo "bench_fp8_gemm $i rc=$?" >>"$OUT/bench_fp8_gemm.log"
   done
+  timeout 150 python3 benchmarks/bench_fp8_kernels.py --out "$OUT/bench_fp8_kernels.json" >"$OUT/bench_fp8_kernels.log" 2>&1
+  echo "bench_fp8_kernels rc=$?" >>"$OUT/bench_fp8_kernels.log"
   tail -n 3 "$OUT/checks.log"; grep -E "passed|failed|rc=|Error|assert" "$OUT/gpu_fp8_tests.log" | tail -n 20
-  grep -E "^\\||rc=" "$OUT/bench_fp8_gemm.log"
+  grep -E "^\\||rc=" "$OUT/bench_fp8_gemm.log" "$OUT/bench_fp8_kernels.log"
   ;;
 fp8-profile)
   # shardprep profile + plan of one Llama (4 layers of 4096 / 14336, whole 128-blocks) in bf16 and in block FP8,
@@ -122,6 +126,10 @@ PY
     python3 -m shardprep convert $W/$kind $W/$kind-out --ranks 1 --preset llama --requant none --quiet &&
       timeout 200 python3 -m shardprep profile $W/$kind-out --nproc 1 --tokens 16,128,1024 --iters 10 \
         --out "$OUT/profile_$kind.json" --trace "$OUT/trace_$kind.json" >>"$OUT/fp8_profile.log" 2>&1; echo "profile $kind rc=$?" >>"$OUT/fp8_profile.log"
+    if [ "${EAGER:-0}" = 1 ]; then  # the same, timing eager forwards (what profile timed before CUDA graphs)
+      timeout 200 python3 -m shardprep profile $W/$kind-out --nproc 1 --tokens 16,128,1024 --iters 10 --eager \
+        --out "$OUT/profile_${kind}_eager.json" >>"$OUT/fp8_profile.log" 2>&1; echo "profile $kind --eager rc=$?" >>"$OUT/fp8_profile.log"
+    fi
     # one rank receives no gather bytes: the 2-GPU gather-only bandwidth of ../shared/MEASURED.md (ce, 341 GB/s)
     python3 -m shardprep plan $W/$kind-out --ranks 2 --profile "$OUT/profile_$kind.json" --link-gbps 341 \
       >>"$OUT/fp8_profile.log" 2>&1

@@ -10,11 +10,16 @@ MoE) case is eager only. On one GPU the directory is converted for one rank: a "
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from fp8_fixture import quantize_checkpoint_fp8
 from spawn_group import run_ranks
 
+from shardprep.manifests.profile_format import load_profile
 from shardprep.prep.convert import convert
 from shardprep.prep.export import export
 
@@ -54,6 +59,20 @@ def test_the_block_scaled_gemm_is_the_float64_product_of_its_dequantized_operand
         ref = x_seen @ dequantize_blocks(weight, scale, (128, 128), torch.float64).T
         err = ((got - ref).norm() / ref.norm()).item()
         assert err < 4e-3, (m, k, n, err)  # the bf16 output's rounding, and the accumulation's
+
+
+@pytest.mark.parametrize("m,k", [(4, 512), (16, 8192), (100, 28672), (1000, 7168)])
+def test_the_triton_quantization_gives_the_torch_ops_codes_and_scales_bit_for_bit(m, k):
+    from shardprep.runtime.block_fp8 import quantize_activations
+    from shardprep.runtime.fp8_activation_kernel import quantize_for_gemm
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 5
+    x[0, :128] = 0  # an all-zero group
+    x[-1, -128:] *= 1e-30  # a tiny one
+    codes, scale = quantize_for_gemm(x)
+    want_codes, want_scale = quantize_activations(x)
+    assert scale.stride() == (1, m)  # outer-dim-major, as the GEMM takes it
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scale, want_scale)
 
 
 @pytest.mark.parametrize("m,k,n", [(24, 512, 256), (5, 1024, 640), (16, 4096, 4096), (3, 1536, 24576)])
@@ -118,3 +137,39 @@ def test_a_bound_block_fp8_model_gives_the_resident_bytes_eagerly_and_in_a_cuda_
     (result,) = run_ranks(_graph_rank, 1, str(out), str(plain), graphs, backend="nccl", timeout=800)
     assert result["fp8_layers"] > 0 and result["scaled_mm_layers"] > 0, result
     assert result == {**result, "eager_twice": True, "resident": True, "replays": [True] * 3 if graphs else []}
+
+
+def _profile(out, tmp_path, name, *extra):
+    path = tmp_path / f"{name}.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NCCL_NVLS_ENABLE="0")
+    proc = subprocess.run([sys.executable, "-m", "shardprep", "profile", str(out), "--nproc", "1", "--tokens", "16",
+                           "--iters", "5", "--warmup", "1", "--out", str(path), *extra],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return load_profile(path), proc.stdout
+
+
+def test_profile_times_cuda_graph_replays_and_says_so(fp8_dirs, tmp_path):
+    graphed, printed = _profile(fp8_dirs["llama"][0], tmp_path, "graphs")
+    assert (graphed.compute_mode, graphed.compute_mode_note) == ("cuda-graph", "")
+    assert "CUDA-graph replays" in printed
+    assert all(ms > 0 for lay in graphed.layers for ms in lay.compute_ms)
+    assert graphed.backends[0].sharded_step_ms[0] > 0
+    eager, _ = _profile(fp8_dirs["llama"][0], tmp_path, "eager", "--eager")
+    assert (eager.compute_mode, eager.compute_mode_note) == ("eager", "eager asked for (--eager)")
+    # A tiny model's eager forward is its host's launches; a replay is its kernels.
+    assert graphed.replicated_step_ms[0] < eager.replicated_step_ms[0]
+
+
+def test_profile_refuses_a_forward_no_graph_can_hold_in_one_line_naming_eager(fp8_dirs, tmp_path):
+    # transformers' expert loop reads on the host which experts were hit: no graph can hold it.
+    out = fp8_dirs["deepseek-v3-mla-blocks"][0]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NCCL_NVLS_ENABLE="0")
+    proc = subprocess.run([sys.executable, "-m", "shardprep", "profile", str(out), "--nproc", "1", "--tokens", "16",
+                           "--iters", "2", "--out", str(tmp_path / "p.json")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode != 0
+    assert "could not be captured in a CUDA graph" in proc.stderr and "profile it with --eager" in proc.stderr, \
+        proc.stderr[-2000:]
+    moe, _ = _profile(out, tmp_path, "moe", "--eager")
+    assert moe.compute_mode == "eager" and moe.backends[0].sharded_step_ms[0] > 0

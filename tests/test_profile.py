@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from shardprep.cli import app
@@ -31,6 +32,8 @@ def test_dry_run_profiles_every_layer_and_backend_and_plan_reads_it(checkpoint_c
     manifest = load_manifest(out)
     assert json.loads(path.read_text())["schema"] == PROFILE_SCHEMA
     assert p.world_size == 2 and p.tokens == (1, 8) and p.dry_run
+    assert (p.compute_mode, p.compute_mode_note) == ("eager", "no CUDA graphs on the CPU")
+    assert "eager forwards: no CUDA graphs on the CPU" in " ".join(proc.stdout.split())  # the title, wrapped
     assert [lay.layer for lay in p.layers] == [0, 1, 2, 3]
     assert [lay.layer for lay in p.layers if lay.total_bytes] == [1, 3]
     assert all(ms > 0 for lay in p.layers for ms in lay.compute_ms)
@@ -77,3 +80,17 @@ def test_profile_refuses_a_directory_without_config_before_starting_ranks(checkp
     result = CliRunner().invoke(app, ["profile", str(out), "--dry-run", "--out", str(tmp_path / "p.json")])
     assert result.exit_code == 2
     assert result.stderr.strip() == f"error: {out / 'config.json'}: not found; copy the source's config.json into {out}"
+
+
+def test_a_profile_says_how_it_timed_compute_and_one_without_the_key_timed_eager_forwards(tmp_path):
+    from shardprep.errors import ProfileError
+    from shardprep.manifests.profile_format import LayerTimes, Profile
+
+    graphed = Profile(1, "NVIDIA H200", (16,), (LayerTimes(0, (1.0,)),), (0.1,), (0.2,), (1.3,), (),
+                      compute_mode="cuda-graph")
+    data = graphed.to_dict()
+    assert data["compute_mode"] == "cuda-graph" and Profile.from_dict(data) == graphed
+    older = {k: v for k, v in data.items() if not k.startswith("compute_mode")}
+    assert Profile.from_dict(older).compute_mode == "eager"  # written before graphs were timed
+    with pytest.raises(ProfileError, match="compute_mode 'graph' is not one of cuda-graph, eager"):
+        Profile.from_dict({**data, "compute_mode": "graph"})

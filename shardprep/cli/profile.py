@@ -38,13 +38,17 @@ def profile_command(
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="CPU + gloo, 2 iterations: checks the whole path on a tiny model; the times mean nothing.")]
     = False,
+    eager: Annotated[bool, typer.Option(
+        "--eager", help="Time eager forwards instead of CUDA-graph replays (CUDA; the CPU is always eager).")]
+    = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the profile JSON instead of tables.")] = False,
     trace: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Also write rank 0's torch.profiler trace of one sharded step per token count (Chrome "
                              "trace JSON for ui.perfetto.dev or chrome://tracing).")] = None,
 ) -> None:
-    """Time each layer's compute (replicated weights), each backend's gathers and the HBM interference
-    between them, on the real model bound to the real GPUs; write them for `shardprep plan --profile`."""
+    """Time each layer's compute (replicated weights, in CUDA-graph replays on CUDA), each backend's gathers and
+    the HBM interference between them, on the real model bound to the real GPUs; write them for
+    `shardprep plan --profile`."""
     from ..runtime.profile import ProfileOptions, profile
 
     with cli_errors(), ExitStack() as stack:
@@ -54,7 +58,7 @@ def profile_command(
         else:
             backends = tuple(b.value for b in backend or [Backend.AUTO])
             options = ProfileOptions(tokens=counts or ProfileOptions.tokens, backends=backends, iters=iters,
-                                     warmup=warmup, device=device.value)
+                                     warmup=warmup, device=device.value, graphs=not eager)
         if trace is not None:
             part = stack.enter_context(replaced_on_success(trace, "--trace"))
             options = dataclasses.replace(options, trace_path=str(part))
@@ -75,7 +79,10 @@ def print_profile(p: Profile, path: Path | None = None) -> None:
     console = Console()
     where = f" → {path}" if path else ""
     title = f"{p.source or 'profile'} on {p.world_size} × {p.device}{' (dry run)' if p.dry_run else ''}{where}"
-    layers = Table(title=title + "\ncompute per layer with replicated weights (ms); gather alone (ms)")
+    mode = "CUDA-graph replays" if p.compute_mode == "cuda-graph" else "eager forwards"
+    if p.compute_mode_note:
+        mode += f": {p.compute_mode_note}"
+    layers = Table(title=title + f"\ncompute per layer with replicated weights (ms, {mode}); gather alone (ms)")
     layers.add_column("layer", justify="right")
     for t in p.tokens:
         layers.add_column(f"{t} tok", justify="right")

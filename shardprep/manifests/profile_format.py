@@ -17,6 +17,8 @@ from ..errors import ProfileError
 from .step_time import Interference, Segment
 
 PROFILE_SCHEMA = "shardprep/profile/1"
+COMPUTE_MODES = ("cuda-graph", "eager")
+"""How a profile timed its forwards: CUDA-graph replays (CUDA, the default) or eager forwards."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class Profile:
     dry_run: bool = False
     source: str = ""
     environment: dict[str, str] = field(default_factory=dict)
+    compute_mode: str = "eager"  # how forwards were timed: "cuda-graph" replays or "eager" forwards
+    compute_mode_note: str = ""  # why eager, where it is
 
     def token_index(self, tokens: int) -> int:
         try:
@@ -128,6 +132,8 @@ class Profile:
             "source": self.source,
             "iters": self.iters,
             "environment": dict(self.environment),
+            "compute_mode": self.compute_mode,
+            "compute_mode_note": self.compute_mode_note,
             "tokens": list(self.tokens),
             "head_ms": list(self.head_ms),
             "tail_ms": list(self.tail_ms),
@@ -189,10 +195,16 @@ class Profile:
                 dry_run=bool(data.get("dry_run", False)),
                 source=str(data.get("source", "")),
                 environment={str(k): str(v) for k, v in (data.get("environment") or {}).items()},
+                # Profiles written before graphs were timed have no key: they timed eager forwards.
+                compute_mode=str(data.get("compute_mode", "eager")),
+                compute_mode_note=str(data.get("compute_mode_note", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"{where}: not a complete {PROFILE_SCHEMA} profile "
                                f"({type(exc).__name__}: {exc})") from None
+        if profile.compute_mode not in COMPUTE_MODES:
+            raise ProfileError(f"{where}: compute_mode {profile.compute_mode!r} is not one of "
+                               f"{', '.join(COMPUTE_MODES)}")
         per_token = [("head_ms", profile.head_ms), ("tail_ms", profile.tail_ms),
                      ("replicated_step_ms", profile.replicated_step_ms)]
         per_token += [(f"layer {lay.layer} compute_ms", lay.compute_ms) for lay in profile.layers]

@@ -209,6 +209,9 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
         notes.append("an encoder-only model keeps no KV cache")
 
     profile = load_profile(request.profile) if request.profile else None
+    if profile is not None and profile.compute_mode == "eager" and profile.device != "cpu":
+        notes.append(f"the profile timed eager forwards ({profile.compute_mode_note or 'an older profile'}), not "
+                     "the CUDA-graph replays a deployment runs: its compute times can be the host's")
     candidates = tuple(sorted(model.sizes))
     model_layers = _model_layers(model, profile, candidates)
     chunks = {i: align_up(t // n, alignment) for i, t in model.sizes.items()}

@@ -9,9 +9,9 @@ scales where transformers put them (a bound weight is a view of its gathered slo
 
 - CUDA, SM90 and later, N a multiple of 128 and K of 512 (`uses_scaled_mm`): torch's block-scaled GEMM
   (`torch._scaled_mm` with 1×128 activation scales and 128×128 weight scales). The activations are
-  quantized per token and 128 columns (amax / 448, as DeepSeek's recipe): eagerly by plain torch ops, inside
-  a CUDA graph by one kernel that `torch.compile` fuses them into, which a decode step needs for FP8 to pay
-  (docs/benchmarks.md).
+  quantized per token and 128 columns (amax / 448, as DeepSeek's recipe) by one Triton kernel
+  (`fp8_activation_kernel.py`), eagerly and inside CUDA graphs alike; without Triton, by plain torch ops
+  (the same codes, in several launches). At decode sizes that kernel is what makes FP8 pay (docs/benchmarks.md).
 - Everywhere else (the CPU, odd shapes): dequantize the weight block by block in fp32, round it to the
   activations' dtype and `F.linear`. Deterministic: the same inputs give the same bits on every run,
   which is what the sharded-against-unsharded comparisons need.
@@ -80,50 +80,23 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _gemm_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and outer-dim-major scales of CUDA rows, as the GEMM takes them: one Triton kernel where Triton is."""
+    quantize = _triton_quantize()
+    if quantize is not None:
+        return quantize(rows)
     codes, scale = quantize_activations(rows)
     # torch's block-scaled GEMM takes the 1×128 activation scales outer-dim-major (any other layout:
-    # "Invalid scaling configuration"); written so here, compiled, it costs no launch of its own.
+    # "Invalid scaling configuration").
     return codes, scale.t().contiguous().t()
 
 
 @functools.cache
-def _compiled_gemm_activations() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+def _triton_quantize() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
     try:
-        import triton  # noqa: F401
-    except ImportError:  # Inductor's CUDA code needs Triton
+        from .fp8_activation_kernel import quantize_for_gemm
+    except ImportError:  # no Triton: several torch ops and a copy instead of one kernel (the same codes)
         return None
-    return torch.compile(_gemm_activations, fullgraph=True)
-
-
-_ready_for_capture: dict[int, bool] = {}  # K → whether the compiled quantization of [M, K] rows is built
-
-
-def _capture_activations(rows: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """The quantization a CUDA graph captures for these rows: the compiled one, once an eager call has built it.
-
-    Inductor cannot compile inside a capture (it copies to the device), so the eager forwards that precede any
-    capture (warm-up) build it, with the row count dynamic: a capture at another batch size reuses it. Where
-    it cannot be built, the capture records the plain ops (the same codes, more launches).
-    """
-    compiled = _compiled_gemm_activations()
-    k = rows.shape[1]
-    if compiled is None or not _ready_for_capture.get(k, False):
-        return _gemm_activations
-    torch._dynamo.mark_dynamic(rows, 0)
-    return compiled
-
-
-def _prepare_capture(rows: torch.Tensor) -> None:
-    k = rows.shape[1]
-    compiled = _compiled_gemm_activations()
-    if compiled is None or k in _ready_for_capture:
-        return
-    try:
-        torch._dynamo.mark_dynamic(rows, 0)
-        compiled(rows)
-        _ready_for_capture[k] = True
-    except Exception:  # no Inductor for this device or shape: captures record the plain ops
-        _ready_for_capture[k] = False
+    return quantize_for_gemm
 
 
 def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
@@ -146,12 +119,9 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ W.T + bias` for the block-FP8 weight W = (`weight` codes, `scale_inv` per block), in x's dtype.
 
-    On the GEMM path the activations are quantized by plain torch ops when run eagerly (a compiled function's
-    call costs more on the host than the launches it saves: 348 against 210 µs a call at 16 × 4096 on the
-    H200) and by the compiled, fused function inside a CUDA graph capture, where only kernels remain (built by
-    the eager warm-up before it); both give the same codes, since a maximum and a correctly rounded division
-    do not depend on the order of evaluation (tests/test_gpu_fp8.py compares eager forwards with graph replays
-    bit for bit).
+    On the GEMM path the activations are quantized by one Triton kernel, the same one eagerly and inside a
+    CUDA graph capture, so eager forwards and graph replays give the same bits (tests/test_gpu_fp8.py); its
+    codes and scales are those of `quantize_activations` on CUDA, bit for bit (tested too).
 
     >>> w = torch.full((4, 8), 1.0).to(torch.float8_e4m3fn)
     >>> block_fp8_linear(torch.ones(1, 8, dtype=torch.bfloat16), w, torch.tensor([[0.25]]), (128, 128))
@@ -163,11 +133,7 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     m = rows.shape[0]
     if m % ROWS_MULTIPLE:  # cuBLAS has no block-scaled kernel for other row counts (CUBLAS_STATUS_NOT_SUPPORTED)
         rows = F.pad(rows, (0, 0, 0, ROWS_MULTIPLE - m % ROWS_MULTIPLE))
-    if torch.cuda.is_current_stream_capturing():
-        codes, scale = _capture_activations(rows)(rows)
-    else:
-        _prepare_capture(rows)
-        codes, scale = _gemm_activations(rows)
+    codes, scale = _gemm_activations(rows)
     # The 128×128 weight scales go in transposed, like the weight.
     out = torch._scaled_mm(codes, weight.t(), scale_a=scale, scale_b=scale_inv.t(), out_dtype=x.dtype)[:m]
     if bias is not None:

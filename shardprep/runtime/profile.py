@@ -3,14 +3,17 @@
 On a bound model (`profile_binding`), per token count and per gather backend:
 
 1. replicated: every sharded layer is gathered once into a buffer of its own (`ResidentWeights`), and
-   each decoder layer's compute is timed with no gather anywhere (hooks record a mark at every layer);
+   each decoder layer's compute is timed with no gather anywhere (hooks record a mark at every layer).
+   On CUDA each forward is captured in a CUDA graph with those marks inside it and timed by its
+   replays, as a deployment runs its steps (`--eager`: eager forwards, as on the CPU; a forward no graph
+   can hold is refused, naming --eager); the profile says which (`compute_mode`);
 2. gathers: each layer's gather alone and one forward's gathers back to back (`idle_step`), whose
    bytes received give the gather-only bandwidth;
 3. interference: the replicated forward timed while this backend's gathers stream beside it for its
    whole length (κ, how much slower compute runs), and a forward's gathers timed while forwards run
    beside them (λ). On a GPU both share HBM: see ../shared/MEASURED.md and docs/planning.md;
 4. sharded: the model bound to the backend, one step timed per token count (what plan's prediction
-   should match for this directory's layer choice).
+   should match for this directory's layer choice), in the same mode as step 1.
 
 Every time is a median over `iters` calls, the slowest rank's. A step is one forward from an idle
 device to its last kernel (a decode step samples before the next begins).
@@ -61,6 +64,7 @@ class ProfileOptions:
     device: str = "auto"
     dry_run: bool = False
     trace_path: str | None = None  # rank 0 writes torch.profiler's Chrome trace of the sharded steps here
+    graphs: bool = True  # on CUDA, time forwards as CUDA-graph replays (the deployment's mode); False: eagerly
 
     @classmethod
     def for_dry_run(cls, tokens: tuple[int, ...] | None = None) -> ProfileOptions:
@@ -91,13 +95,15 @@ def profile_binding(binding: Binding, forward_at: Callable[[int], Forward], laye
 
     resident = ResidentWeights(binding)
     resident.attach()
+    graphed, eager_because = _capture_forwards(timer, forwards, options, clock, control)
+    # What steps 1 and 3 run: the graphs' replays, or the eager forwards.
+    compute = {t: graphed[t].replay for t in tokens} if graphed else forwards
     head, tail, step = [], [], []
     layer_ms: list[list[float]] = []
     for t in tokens:
-        fwd = forwards[t]
         for _ in range(options.warmup):
-            fwd()
-        samples = [timer.time(fwd) for _ in range(options.iters)]
+            compute[t]()
+        samples = [graphed[t].time() if graphed else timer.time(forwards[t]) for _ in range(options.iters)]
         row = slowest([median([s[i] for s in samples]) for i in range(len(layer_modules) + 3)], control)
         head.append(row[0])
         layer_ms.append(row[1:-2])
@@ -108,12 +114,13 @@ def profile_binding(binding: Binding, forward_at: Callable[[int], Forward], laye
     for name in options.backends[1:]:
         if name not in {g.backend_name for g in gatherers}:
             gatherers.append(LayerGatherer(shards, group=group, backend=name))
+    graphed_mode = bool(graphed)
     measured = []
     for g in gatherers:
         per_layer, gather_only = _gather_times(clock, g, options, control)
         kappa, lam = [], []
         for t, alone in zip(tokens, step):
-            fwd = forwards[t]
+            fwd = compute[t]
             k = math.ceil(COVER * alone / gather_only) + 1 if gather_only > 0 else 1
             m = math.ceil(COVER * gather_only / alone) + 1 if alone > 0 else 1
             clock.beside(fwd, g.idle_step, k)  # warm-up of both together
@@ -126,6 +133,8 @@ def profile_binding(binding: Binding, forward_at: Callable[[int], Forward], laye
             kappa.append(max(0.0, with_gathers / alone - 1) if alone > 0 else 0.0)
             lam.append(max(0.0, with_compute / gather_only - 1) if gather_only > 0 else 0.0)
         measured.append((g, per_layer, gather_only, kappa, lam))
+    del compute
+    graphed.clear()  # the graphs go before the resident weights they read are freed
     resident.detach()
     if clock.cuda:
         torch.cuda.empty_cache()
@@ -135,10 +144,11 @@ def profile_binding(binding: Binding, forward_at: Callable[[int], Forward], laye
         bound = bind(binding.model, shards, g)
         sharded = []
         for t in tokens:
-            fwd = forwards[t]
+            fwd = _sharded_graph(forwards[t], clock.device, g.backend_name, control) if graphed_mode else forwards[t]
             for _ in range(options.warmup):
                 fwd()
             sharded.append(median([clock.time_ms(fwd) for _ in range(options.iters)]))
+            del fwd  # a graph's memory goes before the next token count's
         if options.trace_path is not None and g is gatherers[0]:
             _trace_sharded_steps(forwards, layer_modules, clock, options.trace_path, dist.get_rank(control) == 0)
         bound.remove()
@@ -167,6 +177,8 @@ def profile_binding(binding: Binding, forward_at: Callable[[int], Forward], laye
         dry_run=options.dry_run,
         source=source,
         environment=_environment(shards.device),
+        compute_mode="cuda-graph" if graphed_mode else "eager",
+        compute_mode_note=eager_because,
     )
 
 
@@ -178,20 +190,12 @@ class _LayerTimer:
         self.modules = list(modules)
 
     def time(self, fwd: Forward) -> list[float]:
-        """[head, layer 0, ..., layer L−1, tail, whole step] in ms for one forward.
+        """[head, layer 0, ..., layer L−1, tail, whole step] in ms for one eager forward.
 
         A layer's time runs from its start to the next layer's start (the last: to its end), so the
         glue between layers counts with the layer before it.
         """
-        n = len(self.modules)
-        starts: list[Mark] = [None] * n
-        ends: list[Mark] = [None] * n
-        handles = []
-        for i, module in enumerate(self.modules):
-            handles.append(module.register_forward_pre_hook(
-                lambda _m, _a, i=i: starts.__setitem__(i, self.clock.mark())))
-            handles.append(module.register_forward_hook(
-                lambda _m, _a, _o, i=i: ends.__setitem__(i, self.clock.mark())))
+        starts, ends, handles = self._marks(self.clock.mark)
         try:
             self.clock.sync()
             begin = self.clock.mark()
@@ -201,13 +205,134 @@ class _LayerTimer:
         finally:
             for h in handles:
                 h.remove()
-        missing = [i for i in range(n) if starts[i] is None or ends[i] is None]
+        return self._split(begin, starts, ends, end)
+
+    def capture(self, fwd: Forward) -> _GraphedForward:
+        """`fwd` captured in a CUDA graph whose replays record the layer marks (events recorded in the capture).
+
+        Warmed up once on a side stream first, as CUDA graphs ask. Raises what the capture raised.
+        """
+        device = self.clock.device
+
+        def event() -> Mark:
+            mark = torch.cuda.Event(enable_timing=True, external=True)  # external: a node of the graph
+            mark.record()
+            return mark
+
+        _warm_up_beside(fwd, device)
+        starts, ends, handles = self._marks(event)
+        try:
+            graph = _captured(fwd, device)
+        finally:
+            for h in handles:
+                h.remove()
+        self._check_every_layer_ran(starts, ends)
+        return _GraphedForward(graph, self, starts, ends)
+
+    def _marks(self, mark: Callable[[], Mark]) -> tuple[list[Mark], list[Mark], list[Any]]:
+        n = len(self.modules)
+        starts: list[Mark] = [None] * n
+        ends: list[Mark] = [None] * n
+        handles = []
+        for i, module in enumerate(self.modules):
+            handles.append(module.register_forward_pre_hook(lambda _m, _a, i=i: starts.__setitem__(i, mark())))
+            handles.append(module.register_forward_hook(lambda _m, _a, _o, i=i: ends.__setitem__(i, mark())))
+        return starts, ends, handles
+
+    @staticmethod
+    def _check_every_layer_ran(starts: list[Mark], ends: list[Mark]) -> None:
+        missing = [i for i in range(len(starts)) if starts[i] is None or ends[i] is None]
         if missing:
             raise RuntimeShardError(f"decoder layer {missing[0]} did not run in the forward; profile needs every "
                                     "layer to run once per forward")
+
+    def _split(self, begin: Mark, starts: list[Mark], ends: list[Mark], end: Mark) -> list[float]:
+        self._check_every_layer_ran(starts, ends)
+        n = len(self.modules)
         ms = self.clock.elapsed_ms
         layers = [ms(starts[i], starts[i + 1]) for i in range(n - 1)] + [ms(starts[-1], ends[-1])]
         return [ms(begin, starts[0]), *layers, ms(ends[-1], end), ms(begin, end)]
+
+
+@dataclass
+class _GraphedForward:
+    """A forward in a CUDA graph; each replay records the layer marks captured in it."""
+
+    graph: torch.cuda.CUDAGraph
+    timer: _LayerTimer
+    starts: list[Mark]
+    ends: list[Mark]
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def time(self) -> list[float]:
+        """What `_LayerTimer.time` returns, for one replay: from before its launch to after its last kernel."""
+        clock = self.timer.clock
+        clock.sync()
+        begin = clock.mark()
+        self.graph.replay()
+        end = clock.mark()
+        clock.sync()
+        return self.timer._split(begin, self.starts, self.ends, end)
+
+
+def _warm_up_beside(fwd: Forward, device: torch.device) -> None:
+    """One forward on a side stream, as CUDA graphs ask before a capture."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fwd()
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
+def _captured(fwd: Forward, device: torch.device) -> torch.cuda.CUDAGraph:
+    """`fwd` captured in a CUDA graph (thread-local mode: other threads' CUDA calls, NCCL's watchdog, go on)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fwd()
+    return graph
+
+
+def _capture_forwards(timer: _LayerTimer, forwards: dict[int, Forward], options: ProfileOptions,
+                      clock: DeviceClock, control: dist.ProcessGroup) -> tuple[dict[int, _GraphedForward], str]:
+    """Each replicated forward in a CUDA graph, or none and why (CPU, --eager); collective.
+
+    A forward that cannot be captured (MoE routing that reads on the host which experts were hit) is refused
+    on every rank, naming --eager: after a failed capture torch 2.11's caching allocator aborts the process
+    at its next synchronize (seen on the H200), so the profile cannot go on eagerly in the same process.
+    """
+    if not clock.cuda:
+        return {}, "no CUDA graphs on the CPU"
+    if not options.graphs:
+        return {}, "eager asked for (--eager)"
+    graphed: dict[int, _GraphedForward] = {}
+    failure = ""
+    try:
+        for t, fwd in forwards.items():
+            graphed[t] = timer.capture(fwd)
+    except RuntimeShardError:
+        raise
+    except Exception as exc:
+        failure = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+    if slowest([1.0 if failure else 0.0], control)[0] > 0:
+        raise RuntimeShardError(f"the model's forward could not be captured in a CUDA graph "
+                                f"({failure or 'on another rank'}); profile it with --eager")
+    return graphed, ""
+
+
+def _sharded_graph(fwd: Forward, device: torch.device, backend: str, control: dist.ProcessGroup) -> Forward:
+    """The bound forward (gathers and all) in a CUDA graph: its replay. Collective; raises on every rank."""
+    failure = ""
+    try:
+        _warm_up_beside(fwd, device)
+        graph = _captured(fwd, device)
+    except Exception as exc:
+        failure = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+    if slowest([1.0 if failure else 0.0], control)[0] > 0:
+        raise RuntimeShardError(f"the sharded forward with the {backend} gatherer could not be captured in a CUDA "
+                                f"graph ({failure or 'on another rank'}); profile with --eager")
+    return graph.replay
 
 
 def _trace_sharded_steps(forwards: dict[int, Forward], layer_modules: Sequence[nn.Module], clock: DeviceClock,
