@@ -136,9 +136,9 @@ class RankShards:
             raise RuntimeShardError(f"layer {layer} is not in the manifest (it has {sorted(self._records)})") from None
         return self.buffer[r.file_offset:r.file_offset + r.chunk_bytes]
 
-    def read_chunk(self, layer: int) -> torch.Tensor:
-        """This rank's chunk of `layer` in a tensor of its own on `device`: read from the rank file alone, the rest of
-        the file left unread (copied from the buffer if it is loaded already).
+    def read_chunk(self, layer: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's chunk of `layer` on `device`, read from the rank file alone, the rest of the file left unread
+        (copied from the buffer if it is loaded already); into `into` (chunk_bytes of uint8) if given.
 
         For a loader that handles one layer at a time (vLLM's sharded mode processing quantized targets): the
         rank's bytes are then never all in memory at once.
@@ -149,13 +149,16 @@ class RankShards:
             r = self._records[layer]
         except KeyError:
             raise RuntimeShardError(f"layer {layer} is not in the manifest (it has {sorted(self._records)})") from None
+        out = torch.empty(r.chunk_bytes, dtype=torch.uint8, device=self._device) if into is None else into
+        if out.dtype != torch.uint8 or out.shape != (r.chunk_bytes,) or not out.is_contiguous():
+            raise RuntimeShardError(f"layer {layer}'s chunk needs {r.chunk_bytes} contiguous bytes, got {out.dtype} "
+                                    f"of shape {list(out.shape)}")
         if self._buffer is not None:
-            return self.chunk(layer).clone()
+            return out.copy_(self.chunk(layer))
         unread = self._unread
         if unread is None:
             raise RuntimeShardError(f"rank {self.rank}'s shard file could not be read (see the first error); "
                                     "open_rank again")
-        out = torch.empty(r.chunk_bytes, dtype=torch.uint8, device=self._device)
         staging = None
         if out.device.type != "cpu":
             staging = torch.empty(max(2, min(unread.staging_bytes, r.chunk_bytes)) // 2 * 2, dtype=torch.uint8,

