@@ -12,6 +12,14 @@ A tagged gather also gathers a few int32 (the gatherer's tags) in the same call:
 - gloo: two async all-gathers, waited on together. Coalescing them is not an option there: torch
   2.13's gloo `all_gather_single_coalesced` returned wrong bytes for a 1 MiB uint8 gather coalesced
   with an 8-byte int32 one (2 ranks, checked on the CPU machine).
+
+gloo's all-gather copies through a temporary as large as its whole output (measured with torch 2.13 on
+the CPU: 100 MiB more at its peak for a 100 MiB in-place `all_gather_into_tensor`), so a CPU gather of a
+layer holds the layer twice for a moment; `broadcast_into` moves the same bytes as one broadcast per rank, in
+place (1-2 MiB more). The gloo backend keeps the all-gather, one collective per gather: on a 2-core machine a
+gloo collective costs about 1.5 ms whatever its size (docs/benchmarks.md), and N broadcasts would cost N of
+them. Loading, where a layer more would raise the peak, broadcasts (vLLM's sharded mode processing quantized
+targets).
 """
 
 from __future__ import annotations
@@ -33,6 +41,19 @@ def all_gather_into(out: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessG
     >>> all_gather_into(slot[:total], chunk, group)  # doctest: +SKIP
     """
     return _ALL_GATHER(out, chunk, group=group, async_op=async_op)
+
+
+def broadcast_into(out: torch.Tensor, group: dist.ProcessGroup, world_size: int, async_op: bool = False) -> Any:
+    """Every rank's part of `out` (rank r's: the r-th of `world_size` equal parts, already in place on rank r) sent
+    to every rank, one broadcast per rank: an all-gather without gloo's temporary. Works waited on together
+    (`wait(timeout)`) when `async_op`, else None.
+
+    >>> broadcast_into(slot[:total], group, 2)  # doctest: +SKIP
+    """
+    c = out.numel() // world_size
+    works = [dist.broadcast(out[r * c:(r + 1) * c], src=dist.get_global_rank(group, r), group=group,
+                            async_op=async_op) for r in range(world_size)]
+    return _Both(*works) if async_op else None
 
 
 def all_gather_tagged(out: torch.Tensor, chunk: torch.Tensor, tags: Tags | None, group: dist.ProcessGroup,
