@@ -112,7 +112,7 @@ def process_layers(binding: Binding, group: Any, is_quantized: Callable[[nn.Modu
     """
     model, shards = binding.model, binding.shards
     manifest, rank, n = shards.manifest, shards.rank, shards.world_size
-    names = {id(m): n for n, m in model.named_modules()}
+    names = {id(m): name for name, m in model.named_modules()}
     owners = {layer.index: _owners(layer) for layer in binding.layers}
     quantized = {id(m) for layer in binding.layers for m, _ in owners[layer.index] if is_quantized(m)}
     originals = {id(m): _Original(m, bound) for layer in binding.layers for m, bound in owners[layer.index]
