@@ -281,3 +281,19 @@ print(json.dumps({{"growth": peak[0] - base, "buffer": shards.nbytes}}))
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["buffer"] > 16 << 20
     assert got["growth"] <= got["buffer"] + (4 << 20), got
+
+
+def test_read_chunk_reads_one_layers_chunk_alone_and_equals_the_buffers(out3):
+    for rank in range(3):
+        unread = open_rank(out3, rank, world_size=3)
+        chunks = {r.layer: unread.read_chunk(r.layer) for r in unread.manifest.layers}
+        assert not unread.loaded  # each chunk read from the file alone, the buffer never filled
+        whole = open_rank(out3, rank, world_size=3)
+        for layer, chunk in chunks.items():
+            assert torch.equal(chunk, whole.chunk(layer))
+            into = torch.empty_like(chunk)
+            assert whole.read_chunk(layer, into=into) is into and torch.equal(into, chunk)  # from the buffer now
+    with pytest.raises(RuntimeShardError, match="layer 1's chunk needs"):
+        unread.read_chunk(1, into=torch.empty(3, dtype=torch.uint8))
+    with pytest.raises(RuntimeShardError, match="layer 99 is not in the manifest"):
+        unread.read_chunk(99)
