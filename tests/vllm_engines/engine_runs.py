@@ -103,6 +103,18 @@ def own_rank_files(out: Path, root: Path, dp_size: int, suffix: str = "") -> lis
     return dirs
 
 
+def check_same_per_rank(results: dict, reference: str, sharded: str, prompts: list[list[str]],
+                        max_tokens: list[int]) -> None:
+    """Per DP rank, run `sharded`'s tokens and top-2 log-probabilities equal run `reference`'s, bit for bit, and
+    `reference` generated `max_tokens[rank]` tokens for each of the rank's prompts (a comparison that can fail)."""
+    for rank, (rank_prompts, tokens) in enumerate(zip(prompts, max_tokens)):
+        expected, got = results[reference][rank], results[sharded][rank]
+        assert "tokens" in expected, expected
+        assert "tokens" in got, got
+        assert [len(t) for t in expected["tokens"]] == [tokens] * len(rank_prompts)
+        assert got == expected, f"{sharded}, DP rank {rank}"
+
+
 def top_two(logprobs: list) -> list[list[float]]:
     """Per generated token, the two highest log-probabilities vLLM reported (how close the greedy choice was)."""
     return [sorted((lp.logprob for lp in position.values()), reverse=True)[:2] for position in logprobs]

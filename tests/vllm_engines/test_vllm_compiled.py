@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(3600)
 
-from engine_runs import own_rank_files, run_engines  # noqa: E402
+from engine_runs import check_same_per_rank, own_rank_files, run_engines  # noqa: E402
 from same_kernels import SAME_GRAPH, SAME_GRAPH_LINE, SAME_KERNELS  # noqa: E402
 
 from shardprep.prep.convert import convert  # noqa: E402
@@ -54,12 +54,7 @@ def _plan(out, own, llm, env):
 
 def _check_same_tokens(results):
     """Per DP rank, the sharded run's tokens and top-2 log-probabilities equal the unsharded's, bit for bit."""
-    for rank in range(2):
-        reference, sharded = results["unsharded"][rank], results["sharded"][rank]
-        assert "tokens" in reference, reference
-        assert "tokens" in sharded, sharded
-        assert [len(t) for t in reference["tokens"]] == [MAX_TOKENS[rank]] * len(PROMPTS[rank])
-        assert sharded == reference, f"DP rank {rank}"
+    check_same_per_rank(results, "unsharded", "sharded", PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +94,7 @@ def test_two_shard_groups_at_dp4_compiled_give_the_unsharded_compiled_tokens(own
              "max_tokens": max_tokens}]
     env = {**SAME_KERNELS, "VLLM_CPU_CI_ENV": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"}
     results, _ = run_engines({"dp_size": 4, "env": env, "runs": runs}, work, timeout=2700)
-    for rank in range(4):
-        assert "tokens" in results["unsharded"][rank], results["unsharded"][rank]
-        assert [len(t) for t in results["unsharded"][rank]["tokens"]] == [max_tokens[rank]] * len(prompts[rank])
-        assert results["sharded"][rank] == results["unsharded"][rank], f"DP rank {rank}"
+    check_same_per_rank(results, "unsharded", "sharded", prompts, max_tokens)
 
 
 @pytest.mark.slow

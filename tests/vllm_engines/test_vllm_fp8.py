@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(2400)
 
-from engine_runs import own_rank_files, run_engines  # noqa: E402
+from engine_runs import check_same_per_rank, own_rank_files, run_engines  # noqa: E402
 from fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 from moved_weights import ARMED, MOVE_WEIGHTS  # noqa: E402
 from moved_weights import LINE as MOVED_LINE  # noqa: E402
@@ -143,11 +143,7 @@ def test_the_fp8_kernel_reads_only_its_registered_tensors(dp1):
 @pytest.mark.parametrize("name", ["as-is", "ue8m0"])
 def test_sharded_dp2_of_fp8_targets_gives_full_modes_tokens_and_logprobs_bit_for_bit(dp2, name):
     results, _, prompts, max_tokens, _ = dp2
-    for rank in range(2):
-        reference = results[f"{name} full"][rank]
-        assert "tokens" in reference, reference
-        assert [len(t) for t in reference["tokens"]] == [max_tokens[rank]] * len(prompts[rank])
-        assert results[f"{name} sharded"][rank] == reference, f"{name}, DP rank {rank}"
+    check_same_per_rank(results, f"{name} full", f"{name} sharded", prompts, max_tokens)
 
 
 def test_each_sharded_rank_says_it_processed_the_fp8_modules_at_load(dp2, outputs):
@@ -168,8 +164,4 @@ def test_each_sharded_rank_says_it_processed_the_fp8_modules_at_load(dp2, output
 
 def test_sharded_dp2_compiled_gives_the_full_mode_compiled_tokens_bit_for_bit(dp2_compiled):
     results, prompts, max_tokens = dp2_compiled
-    for rank in range(2):
-        reference = results["full"][rank]
-        assert "tokens" in reference, reference
-        assert [len(t) for t in reference["tokens"]] == [max_tokens[rank]] * len(prompts[rank])
-        assert results["sharded"][rank] == reference, f"DP rank {rank}"
+    check_same_per_rank(results, "full", "sharded", prompts, max_tokens)

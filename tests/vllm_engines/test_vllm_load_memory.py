@@ -82,8 +82,13 @@ def fp8_loads(checkpoint_cache, tmp_path_factory):
     return _loads(root, out, {**SAME_KERNELS, **QUANT_KERNELS})
 
 
-def test_sharded_mode_gives_the_full_mode_tokens(loads):
-    results, _ = loads
+LOADS = ["loads", "fp8_loads"]
+"""The bf16 Llama, and the same with block-FP8 attention processed at load: the checks both must pass."""
+
+
+@pytest.mark.parametrize("which", LOADS)
+def test_sharded_mode_gives_the_full_mode_tokens(request, which):
+    results, _ = request.getfixturevalue(which)
     assert "tokens" in results["full"][0], results["full"]
     assert results["sharded"] == results["full"]
 
@@ -98,18 +103,13 @@ def test_sharded_construction_gives_the_targets_no_storage(loads):
     assert sharded["construct_target_bytes"] <= 2 * sharded["targets_built"], sharded
 
 
-def test_sharded_load_peaks_at_steady_state_plus_one_layer(loads):
-    _, got = loads
+@pytest.mark.parametrize("which", LOADS)
+def test_sharded_load_peaks_at_steady_state_plus_one_layer(request, which):
+    _, got = request.getfixturevalue(which)
     sharded = got["sharded"]
     held = sharded["rss_after"] - sharded["rss_before"]
     assert held >= sharded["shard_bytes"], sharded  # the measurement sees the shards the rank holds
     assert sharded["hwm"] - sharded["rss_after"] <= sharded["max_layer_bytes"], sharded
-
-
-def test_sharded_mode_of_fp8_targets_processed_at_load_gives_the_full_mode_tokens(fp8_loads):
-    results, _ = fp8_loads
-    assert "tokens" in results["full"][0], results["full"]
-    assert results["sharded"] == results["full"]
 
 
 def test_sharded_construction_gives_fp8_targets_no_storage(fp8_loads):
@@ -119,14 +119,6 @@ def test_sharded_construction_gives_fp8_targets_no_storage(fp8_loads):
     assert full["construct_target_bytes"] > 32 << 20, full  # the control
     # One element per target weight (FP8 attention, bf16 MLP): vLLM's FP8 method built each, freed at once.
     assert sharded["construct_target_bytes"] <= 2 * sharded["targets_built"], sharded
-
-
-def test_sharded_load_processing_fp8_targets_peaks_at_steady_state_plus_one_layer(fp8_loads):
-    _, got = fp8_loads
-    sharded = got["sharded"]
-    held = sharded["rss_after"] - sharded["rss_before"]
-    assert held >= sharded["shard_bytes"], sharded
-    assert sharded["hwm"] - sharded["rss_after"] <= sharded["max_layer_bytes"], sharded
 
 
 def test_targets_are_recognised_by_layer_and_name_inside_the_layer_as_bind_finds_them(tmp_path, checkpoint_cache):

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 # Engines start slowly on two shared cores (tens of seconds per vLLM import, several imports per engine).
 pytestmark = pytest.mark.timeout(2400)
 
-from engine_runs import own_rank_files, run_engines  # noqa: E402
+from engine_runs import check_same_per_rank, own_rank_files, run_engines  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
@@ -115,11 +115,7 @@ def test_full_mode_gives_the_source_checkpoints_tokens(dp1, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sharded_dp2_gives_the_full_mode_dp2_tokens_under_uneven_load(dp2, arch):
     results, _, prompts, max_tokens, _ = dp2
-    for rank in range(2):
-        reference = results[f"{arch} full"][rank]
-        assert "tokens" in reference, reference
-        assert [len(t) for t in reference["tokens"]] == [max_tokens[rank]] * len(prompts[rank])
-        assert results[f"{arch} sharded"][rank] == reference, f"{arch}, DP rank {rank}"
+    check_same_per_rank(results, f"{arch} full", f"{arch} sharded", prompts, max_tokens)
 
 
 def test_each_sharded_rank_binds_every_manifest_layer_and_says_so_once(dp2, outputs):
@@ -142,8 +138,4 @@ def test_a_target_that_mla_absorbs_after_loading_stops_the_engine_naming_it(dp1)
 
 def test_two_shard_groups_at_dp4_give_the_full_mode_dp4_tokens_under_uneven_load(dp4):
     results, prompts, max_tokens = dp4
-    for rank in range(4):
-        reference = results["full"][rank]
-        assert "tokens" in reference, reference
-        assert [len(t) for t in reference["tokens"]] == [max_tokens[rank]] * len(prompts[rank])
-        assert results["sharded"][rank] == reference, f"DP rank {rank}"
+    check_same_per_rank(results, "full", "sharded", prompts, max_tokens)

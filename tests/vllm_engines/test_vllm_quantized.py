@@ -28,7 +28,7 @@ pytest.importorskip("compressed_tensors")
 pytestmark = pytest.mark.timeout(2400)
 
 from compressed_fixture import compress_checkpoint  # noqa: E402
-from engine_runs import own_rank_files, run_engines  # noqa: E402
+from engine_runs import check_same_per_rank, own_rank_files, run_engines  # noqa: E402
 from moved_weights import ARMED, LINE, MOVE_WEIGHTS  # noqa: E402
 from quant_kernels import QUANT_KERNELS, WNA16_LINE  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
@@ -107,11 +107,7 @@ def test_full_mode_of_w4a16_gives_the_compressed_tensors_sources_tokens(dp1):
 
 def test_sharded_dp2_of_w4a16_targets_gives_full_modes_tokens_and_logprobs_bit_for_bit(dp2):
     results, output, prompts, max_tokens = dp2
-    for rank in range(2):
-        reference = results["full"][rank]
-        assert "tokens" in reference, reference
-        assert [len(t) for t in reference["tokens"]] == [max_tokens[rank]] * len(prompts[rank])
-        assert results["sharded"][rank] == reference, f"DP rank {rank}"
+    check_same_per_rank(results, "full", "sharded", prompts, max_tokens)
     # Per bound layer (1 and 2): qkv_proj and o_proj, repacked by vLLM at load on each rank.
     assert output.count("processed at load: 4 quantized modules") == 2
 

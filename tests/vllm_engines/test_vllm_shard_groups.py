@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 # Four DP ranks on two shared cores: each engine start costs several vLLM imports per rank.
 pytestmark = pytest.mark.timeout(3000)
 
-from engine_runs import own_rank_files, run_engines  # noqa: E402
+from engine_runs import check_same_per_rank, own_rank_files, run_engines  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
 
 from shardprep.prep.convert import convert  # noqa: E402
@@ -53,12 +53,7 @@ def engines(checkpoint_cache, tmp_path_factory):
 
 
 def test_two_shard_groups_at_dp4_give_the_unsharded_dp4_tokens_under_uneven_load(engines):
-    results = engines[0]
-    for rank in range(DP):
-        reference = results["unsharded"][rank]
-        assert "tokens" in reference, reference
-        assert [len(t) for t in reference["tokens"]] == [MAX_TOKENS[rank]] * len(PROMPTS[rank])
-        assert results["sharded"][rank] == reference, f"DP rank {rank}"
+    check_same_per_rank(engines[0], "unsharded", "sharded", PROMPTS, MAX_TOKENS)
 
 
 def test_each_dp_rank_serves_its_rank_file_in_its_group(engines):

@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 # Engines start slowly on two shared cores (tens of seconds per vLLM import, several imports per engine).
 pytestmark = pytest.mark.timeout(2400)
 
-from engine_runs import own_rank_files, run_engines  # noqa: E402
+from engine_runs import check_same_per_rank, own_rank_files, run_engines  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
@@ -54,12 +54,7 @@ def engines(checkpoint_cache, tmp_path_factory):
 
 
 def test_sharded_dp2_gives_the_unsharded_dp2_tokens_under_uneven_load(engines):
-    results = engines[0]
-    for rank in range(2):
-        reference = results["unsharded"][rank]
-        assert "tokens" in reference, reference
-        assert [len(t) for t in reference["tokens"]] == [MAX_TOKENS[rank]] * len(PROMPTS[rank])
-        assert results["sharded"][rank] == reference, f"DP rank {rank}"
+    check_same_per_rank(engines[0], "unsharded", "sharded", PROMPTS, MAX_TOKENS)
 
 
 def test_each_rank_logs_one_startup_line_with_the_resident_bytes_of_the_formula(engines):
