@@ -96,3 +96,17 @@ class _CudaBytes:
     def __cuda_array_interface__(self) -> dict[str, Any]:
         return {"shape": (self.flat.numel(),), "typestr": "|u1", "data": (self.flat.data_ptr(), False),
                 "version": 3, "strides": None, "stream": None}
+
+
+def placeholder(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """One zero element seen in `shape`: what a target parameter holds before `bind` points it at its view.
+
+    Nothing of the shape is allocated; `device=None` takes the current device context (as a model constructor
+    sees it).
+
+    >>> p = placeholder((4096, 4096), torch.bfloat16)
+    >>> tuple(p.shape), p.untyped_storage().nbytes()
+    ((4096, 4096), 2)
+    """
+    return torch.zeros(1, dtype=dtype, device=device).expand(shape)

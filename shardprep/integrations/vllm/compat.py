@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ...runtime.views import placeholder
+
 LOAD_FORMAT = "shardprep"
 LOGGER_NAME = "vllm.shardprep"
 """A child of vLLM's logger, so the lines come out with vLLM's own handler and process prefix."""
@@ -411,8 +413,7 @@ def target_weights_without_storage(is_target: Callable[[str], bool]) -> Iterator
                 result = _counted(original, depth, method, layer, *args, **kwargs)
             for attribute in [a for a in layer._parameters if a not in before and is_target(f"{prefix}.{a}")]:
                 built: Any = layer._parameters[attribute]
-                hole = torch.zeros(1, dtype=built.dtype).expand(built.shape)  # on vLLM's device (its context)
-                weight = nn.Parameter(hole, requires_grad=False)
+                weight = nn.Parameter(placeholder(built.shape, built.dtype), requires_grad=False)  # vLLM's device
                 weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
                 layer.register_parameter(attribute, weight)
                 made.append((f"{prefix}.{attribute}", weight))

@@ -16,7 +16,7 @@ from ...runtime.layer_ops import SPLITTING_OPS
 from . import compat
 from .full_mode import load_full
 from .options import ShardprepLoadOptions
-from .sharded_mode import load_sharded, startup_line
+from .sharded_mode import load_sharded, parameter_names, startup_line
 
 
 class ShardprepModelLoader(BaseModelLoader):
@@ -69,7 +69,7 @@ class ShardprepModelLoader(BaseModelLoader):
         self._bound_before_processing = compat.bound_places(model, self.binding.target_parameters)
         # By name: a quantized module processed at load holds new parameter objects under the same names.
         bound = {id(param) for param in self.binding.target_parameters.values()}
-        bound_names = {name for name, param in model.named_parameters() if id(param) in bound}
+        bound_names = parameter_names(model, bound)
         unbound = [name for name, _ in self._without_storage if name not in bound_names]
         if unbound:
             raise ShardprepError(f"{unbound[0]!r} was built without storage as a target of {directory}, but no "

@@ -52,7 +52,7 @@ from ...manifests.manifest import LayerRecord
 from ...runtime.backends.collective import all_gather_into, broadcast_into
 from ...runtime.binding import Binding, BoundLayer, bind
 from ...runtime.gatherer import LayerGatherer
-from ...runtime.views import layer_views
+from ...runtime.views import layer_views, placeholder
 
 Process = Callable[[nn.Module], None]
 
@@ -84,9 +84,8 @@ class PlaceholderGatherer:
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         for r in shards.manifest.layers:
             named: list[Entry | FusedView] = [*r.entries, *r.views]
-            self._views[r.layer] = {
-                t.name: torch.zeros(1, dtype=torch_dtype(t.dtype, tensor=t.name), device=shards.device).expand(t.shape)
-                for t in named}
+            self._views[r.layer] = {t.name: placeholder(t.shape, torch_dtype(t.dtype, tensor=t.name), shards.device)
+                                    for t in named}
 
     def views(self, layer: int) -> dict[str, torch.Tensor]:
         return self._views[layer]
@@ -319,7 +318,7 @@ def _copy_own_chunk(layout: LayerLayout, tensors: dict[str, torch.Tensor], rank:
 def _release(tensors: dict[str, torch.Tensor]) -> None:
     # One element seen in each tensor's shape: what `bind` points at its view, with nothing allocated meanwhile.
     for t in tensors.values():
-        t.data = torch.zeros(1, dtype=t.dtype, device=t.device).expand(t.shape)
+        t.data = placeholder(t.shape, t.dtype, t.device)
 
 
 def _give_back(device: torch.device) -> None:

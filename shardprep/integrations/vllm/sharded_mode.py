@@ -121,7 +121,7 @@ def load_sharded(
     # One tensor at a time, file-backed on the host, as vLLM's own loader hands them: each is copied into its
     # parameter, so the replicated part is never held twice.
     loaded = model.load_weights(iter_replicated(directory, manifest, "cpu", verify))  # type: ignore[operator]
-    check_all_loaded(model, loaded, directory, also={*_names_of(model, bound), *optional})
+    check_all_loaded(model, loaded, directory, also={*parameter_names(model, bound), *optional})
     if not needs_processing(binding, is_quantized):
         binding.remove()
         return bind(model, shards, LayerGatherer(shards, group=group.process_group, backend="auto")), None
@@ -161,5 +161,9 @@ def startup_line(binding: Binding, directory: str | Path, processed: ProcessedLa
                f"read them (the rank file held {processed.rank_file_bytes})"))
 
 
-def _names_of(model: nn.Module, ids: set[int]) -> set[str]:
+def parameter_names(model: nn.Module, ids: set[int]) -> set[str]:
+    """The names in `model` of the parameters whose `id` is in `ids`.
+
+    >>> parameter_names(model, {id(p) for p in binding.target_parameters.values()})  # doctest: +SKIP
+    """
     return {name for name, p in model.named_parameters() if id(p) in ids}
