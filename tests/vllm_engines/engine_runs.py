@@ -35,6 +35,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -72,8 +73,18 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
         done = subprocess.run([sys.executable, __file__, str(plan_path), str(results_path)], stdout=log,
                               stderr=subprocess.STDOUT, timeout=timeout, env=env)
     output = log_path.read_text()
+    record_engine_times(output, workdir)
     assert done.returncode == 0 and results_path.exists(), output[-6000:]
     return json.loads(results_path.read_text()), output
+
+
+def record_engine_times(output: str, workdir: Path) -> None:
+    """Append the run's ENGINE-TIME lines to the file ENGINE_TIMES names (CI sets it), tagged with the test's
+    working directory, so a slow stage can be split into engine start-up and generation."""
+    target = os.environ.get("ENGINE_TIMES")
+    if target:
+        with open(target, "a") as f:
+            f.writelines(f"{workdir.name}: {line}\n" for line in output.splitlines() if line.startswith("ENGINE-TIME"))
 
 
 def declare_vllm_plugin(directory: Path, name: str, entry: str) -> None:
@@ -131,10 +142,15 @@ def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, d
         llm = None
         saved = {key: os.environ.get(key) for key in run.get("env", {})}
         os.environ.update(run.get("env", {}))
+        started = time.monotonic()
         try:
             llm = LLM(model=model, **run["llm"])
+            ready = time.monotonic()
             params = SamplingParams(temperature=0, max_tokens=run["max_tokens"][dp_rank], ignore_eos=True, logprobs=2)
             outputs = llm.generate(run["prompts"][dp_rank], params, use_tqdm=False)
+            # One line per engine and DP rank; run_engines copies these to ENGINE_TIMES (CI's per-engine table).
+            print(f"ENGINE-TIME {run['name']!r} dp{dp_rank}: start {ready - started:.1f} s, "
+                  f"generate {time.monotonic() - ready:.1f} s", flush=True)
             results[run["name"]] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
                                     "top2": [top_two(o.outputs[0].logprobs) for o in outputs]}
         except Exception as exc:  # recorded: the refusal cases expect one
