@@ -8,6 +8,7 @@ at random; the named cases below are the ones a fuzzer might take long to find.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -58,6 +59,13 @@ def paths_of(data: Any, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
+def fresh_value(draw: st.DrawFn) -> Any:
+    """A JSON_VALUE that no other node shares. sampled_from hands out the same SPECIAL objects (`{}`, `[[[]]]`)
+    every time: put into the document and then given a key by a later mutation, one would change every later
+    draw, or hold itself (seen: a dict added into itself, RecursionError in paths_of, and a flaky replay)."""
+    return copy.deepcopy(draw(JSON_VALUE))
+
+
 @st.composite
 def mutated(draw: st.DrawFn, original: Any) -> Any:
     """`original` with one to three nodes replaced, deleted, or given an extra key."""
@@ -67,17 +75,17 @@ def mutated(draw: st.DrawFn, original: Any) -> Any:
         action = draw(st.sampled_from(["replace", "delete", "add"]))
         if not path:
             if action == "replace":
-                data = draw(JSON_VALUE)
+                data = fresh_value(draw)
             continue
         parent = data
         for key in path[:-1]:
             parent = parent[key]
         if action == "replace":
-            parent[path[-1]] = draw(JSON_VALUE)
+            parent[path[-1]] = fresh_value(draw)
         elif action == "delete":
             del parent[path[-1]]
         elif isinstance(parent[path[-1]], dict):
-            parent[path[-1]][draw(st.text(max_size=8))] = draw(JSON_VALUE)
+            parent[path[-1]][draw(st.text(max_size=8))] = fresh_value(draw)
     return data
 
 
