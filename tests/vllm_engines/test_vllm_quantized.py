@@ -87,7 +87,7 @@ def dp1(outputs):
 @pytest.fixture(scope="module")
 def dp2(outputs):
     root, _, w4a16_out, _ = outputs
-    prompts, max_tokens = [["hello"], [*PROMPTS, "weights shard the model"]], [3, 14]
+    prompts, max_tokens = [["hello"], [*PROMPTS, "weights shard the model"]], [3, 10]
     runs = [{"name": "full", "model": str(w4a16_out), "llm": SHARDPREP, "prompts": prompts, "max_tokens": max_tokens},
             {"name": "sharded", "model": own_rank_files(w4a16_out, root, 2), "llm": SHARDED, "prompts": prompts,
              "max_tokens": max_tokens}]
