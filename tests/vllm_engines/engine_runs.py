@@ -31,6 +31,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -84,7 +85,8 @@ def record_engine_times(output: str, workdir: Path) -> None:
     target = os.environ.get("ENGINE_TIMES")
     if target:
         with open(target, "a") as f:
-            f.writelines(f"{workdir.name}: {line}\n" for line in output.splitlines() if line.startswith("ENGINE-TIME"))
+            # DP ranks print at once, so two lines can share one line of the log: find each by its shape.
+            f.writelines(f"{workdir.name}: {hit}\n" for hit in re.findall(r"ENGINE-TIME .*? generate [\d.]+ s", output))
 
 
 def declare_vllm_plugin(directory: Path, name: str, entry: str) -> None:
