@@ -35,13 +35,17 @@ def deepseek_v3_tensors(c: dict) -> dict[str, dict[str, tuple[str, tuple[int, ..
 
     One file per decoder layer (the MTP layer, index num_hidden_layers, included) plus one for the embedding,
     the final norm and the head. Linear weights are block FP8 with an F32 `weight_scale_inv` per 128×128
-    block, as published; norms, the router, the embedding, the head and the MTP layer's eh_proj are BF16.
+    block, as published (BF16 without scales when `c` has no quantization_config); norms, the router, the
+    embedding, the head and the MTP layer's eh_proj are BF16.
     """
     h, heads, layers = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
-    block = c["quantization_config"]["weight_block_size"][0]
+    quantized = "quantization_config" in c
+    block = c["quantization_config"]["weight_block_size"][0] if quantized else 0
     bf16 = "BF16"
 
     def fp8(name: str, rows: int, cols: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+        if not quantized:
+            return {f"{name}.weight": (bf16, (rows, cols))}
         return {f"{name}.weight": ("F8_E4M3", (rows, cols)),
                 f"{name}.weight_scale_inv": ("F32", (math.ceil(rows / block), math.ceil(cols / block)))}
 

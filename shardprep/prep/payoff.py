@@ -132,6 +132,8 @@ class PlanReport:
     schedules: tuple[StepSchedule, ...] = ()
     schedule_layers: tuple[int, ...] = ()
     num_slots: int = 2
+    fetched_bytes: int | None = None
+    """A hub id, read from its headers alone: the bytes fetched from the hub (None: a local source)."""
 
     @property
     def kinds(self) -> dict[str, dict[str, int]]:
@@ -149,6 +151,7 @@ class PlanReport:
             "schema": PLAN_SCHEMA,
             "source": self.source,
             "kind": self.kind,
+            "fetched_bytes": self.fetched_bytes,
             "ranks": self.ranks,
             "model_layers": self.model_layers,
             "candidates": list(self.candidates),
@@ -191,6 +194,7 @@ class _Model:
     notes: tuple[str, ...] = ()
     kinds: dict[int, dict[str, int]] = field(default_factory=dict)  # candidate layer → its target bytes by kind
     tensor_bytes: dict[str, int] = field(default_factory=dict)  # every non-target tensor → its bytes
+    fetched_bytes: int | None = None  # a hub id read from its headers: the bytes fetched
 
 
 def plan_sharding(request: PlanRequest) -> PlanReport:
@@ -301,7 +305,7 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
         verdict=verdict, verdict_line=line, groups=fit, experts=experts, kv=kv, pays_from_tokens=pays_from,
         convert_layers=format_layers(pick.layers, num_layers=model_layers) if pick else None,
         gather_source=gather_source, backend=backend, notes=notes, schedules=schedules,
-        schedule_layers=shown.layers, num_slots=request.num_slots,
+        schedule_layers=shown.layers, num_slots=request.num_slots, fetched_bytes=model.fetched_bytes,
     )
 
 
@@ -416,11 +420,11 @@ def _read_model(request: PlanRequest, n: int) -> _Model:
 
 
 def _read_checkpoint(request: PlanRequest, n: int) -> _Model:
+    from .header_source import open_headers
     from .plan import make_plan
     from .requant_jobs import RequantOptions
-    from .source import open_source
 
-    ckpt = open_source(request.source, request.revision)
+    ckpt = open_headers(request.source, request.revision)  # a hub id by HTTP range: no snapshot download
     selection = Selection(targets=request.targets, preset=load_preset(request.preset) if request.preset else None,
                           layers=parse_layers(request.layers),
                           layer_pattern=request.layer_pattern or DEFAULT_LAYER_PATTERN)
@@ -432,7 +436,7 @@ def _read_checkpoint(request: PlanRequest, n: int) -> _Model:
     kinds = {lay.layer: bytes_by_kind({e.name: e.nbytes for e in lay.entries}) for lay in plan.layouts}
     rest = {name: t.nbytes for name, t in ckpt.tensors.items() if name not in plan.targets.names}
     return _Model("checkpoint", sizes, plan.replicated_bytes, ckpt.config, plan.chunk_alignment, kinds=kinds,
-                  tensor_bytes=rest)
+                  tensor_bytes=rest, fetched_bytes=ckpt.fetched_bytes() if ckpt.fetched_bytes else None)
 
 
 def _read_converted(root: Path, request: PlanRequest, n: int) -> _Model:
