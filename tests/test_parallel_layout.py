@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 from sparse_checkpoints import DEEPSEEK_V3_CONFIG, deepseek_v3_tensors, nbytes, write_sparse_checkpoint
@@ -128,8 +129,12 @@ def test_gpu_by_name_sets_the_hbm_in_the_json(deepseek_v3):
 
 def test_a_real_convert_of_the_sparse_checkpoint_refuses_for_lack_of_space(deepseek_v3, tmp_path):
     src, _ = deepseek_v3
-    with pytest.raises(ShardprepError, match="space|room"):
-        convert(src, tmp_path / "out", 8, preset="deepseek-v3", requant=RequantOptions(mode="none"), copy_mode="copy")
+    if shutil.disk_usage(tmp_path).free > 700 * 10**9:  # it would start writing the 689 GB of holes as data
+        pytest.skip("this filesystem has room for the whole checkpoint")
+    # No requant: deciding it would read the scales, which are holes.
+    with pytest.raises(ShardprepError, match=r"needs .* available; free some space"):
+        convert(src, tmp_path / "out", 8, preset="deepseek-v3", requant=RequantOptions(mode="none"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_inspect_splits_the_experts_of_a_converted_moe(checkpoint_cache, tmp_path):
