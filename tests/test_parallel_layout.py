@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from shardprep.cli import app
 from shardprep.errors import ShardprepError
-from shardprep.manifests.parallel_layout import expert_shard, hbm_bytes
+from shardprep.planning.parallel_layout import expert_shard, hbm_bytes
 from shardprep.prep.convert import convert
 from shardprep.prep.inspect import inspect
 from shardprep.prep.payoff import PlanRequest, plan_sharding

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..manifests.accounting import human_bytes as human_bytes  # one byte formatter for the library and the CLI
+from ..planning.accounting import human_bytes as human_bytes  # one byte formatter for the library and the CLI
 
 # Options that several commands take, declared once so that their checks and help agree.
 NumSlots = Annotated[int, typer.Option(min=1, metavar="N", help="Gather slots the runtime keeps.")]

@@ -50,7 +50,7 @@ def inspect_command(
     = False,
 ) -> None:
     """Show each layer's entries, |T| and C, and per rank what sharding saves and the KV cache it buys."""
-    from ..manifests.parallel_layout import hbm_bytes
+    from ..planning.parallel_layout import hbm_bytes
     from ..prep.inspect import inspect
 
     with cli_errors():

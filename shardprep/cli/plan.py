@@ -85,7 +85,7 @@ def plan_command(
 ) -> None:
     """Per rank: memory saved, the KV-cache tokens and requests it buys, the startup peak; per layer: gather
     against compute; the layers to shard and the `convert --layers` argument; a one-line verdict."""
-    from ..manifests.parallel_layout import hbm_bytes
+    from ..planning.parallel_layout import hbm_bytes
     from ..prep.payoff import PlanRequest, plan_sharding
     from ..prep.plan import parse_chunk_alignment
     from ..prep.schedule_trace import plan_trace, trace_text

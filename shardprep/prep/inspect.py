@@ -6,17 +6,17 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import IntegrityError, ManifestError, ShardprepError
-from ..manifests.accounting import account, zero_copy_applies
-from ..manifests.capacity import capacity
-from ..manifests.kv_cache import kv_cache_shape
 from ..manifests.layout import alignment_padding_bytes, used_bytes
 from ..manifests.manifest import Manifest, load_manifest
-from ..manifests.parallel_layout import check_expert_parallel, check_tensor_parallel, expert_shard
 from ..manifests.paths import resolve_inside
 from ..manifests.replicated import MAX_INDEX_BYTES, read_replicated_index
 from ..manifests.safetensors_header import read_safetensors_header
 from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem
 from ..manifests.strict_json import is_int, read_json_file
+from ..planning.accounting import account, zero_copy_applies
+from ..planning.capacity import capacity
+from ..planning.kv_cache import kv_cache_shape
+from ..planning.parallel_layout import check_expert_parallel, check_tensor_parallel, expert_shard
 from .quantized_targets import quantized_scales
 from .selection import recorded_preset_checks
 from .source import read_config

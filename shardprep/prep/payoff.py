@@ -25,22 +25,22 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ProfileError, ShardprepError
-from ..manifests.accounting import (
+from ..manifests.layout import align_up
+from ..manifests.manifest import MANIFEST_NAME, load_manifest
+from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem, largest_node_local_group
+from ..planning.accounting import (
     MemoryAccount,
     account_layers,
     human_bytes,
     unaligned_total_bytes,
     zero_copy_applies,
 )
-from ..manifests.capacity import Capacity, capacity
-from ..manifests.kv_cache import KvCacheShape, kv_cache_shape
-from ..manifests.layout import align_up
-from ..manifests.manifest import MANIFEST_NAME, load_manifest
-from ..manifests.parallel_layout import ExpertShard, check_expert_parallel, check_tensor_parallel, expert_shard
-from ..manifests.profile_format import Profile, load_profile
-from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem, largest_node_local_group
-from ..manifests.step_time import StepPrediction, StepSchedule, predict_step, schedule_step
-from .layer_choice import LayerChoice, Predict, choose_layers, evaluate, least_overhead
+from ..planning.capacity import Capacity, capacity
+from ..planning.kv_cache import KvCacheShape, kv_cache_shape
+from ..planning.layer_choice import LayerChoice, Predict, choose_layers, evaluate, least_overhead
+from ..planning.parallel_layout import ExpertShard, check_expert_parallel, check_tensor_parallel, expert_shard
+from ..planning.profile_format import Profile, load_profile
+from ..planning.step_time import StepPrediction, StepSchedule, predict_step, schedule_step
 from .selection import DEFAULT_LAYER_PATTERN, Selection, format_layers, load_preset, parse_layers
 from .target_kinds import bytes_by_kind, kind_totals
 

@@ -53,7 +53,7 @@ def capacity(memory: MemoryAccount, kv: KvCacheShape | None, *, replicated_part_
     `expert_shard_bytes` is the routed experts one GPU holds under expert parallelism (parallel_layout.py),
     kept out of the replicated part; 0 where they are counted in it (no expert parallelism).
 
-    >>> from shardprep.manifests.accounting import account_layers
+    >>> from shardprep.planning.accounting import account_layers
     >>> kv = KvCacheShape("mha", layers=2, values_per_layer=64, dtype="bf16", dtype_bytes=2)
     >>> c = capacity(account_layers([1 << 20] * 8, 2), kv, replicated_part_bytes=0, context_len=1024)
     >>> c.saved_bytes, c.kv_tokens, c.extra_requests
