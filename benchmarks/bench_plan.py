@@ -299,7 +299,7 @@ def plan(args, weights, profile, workdir):
     """Run the planner on a directory holding the stack's manifest (every layer) and config.json."""
     from shardprep.manifests import FileRecord
     from shardprep.manifests.checksums import file_digest
-    from shardprep.prep.layer_choice import least_overhead
+    from shardprep.planning.layer_choice import least_overhead
     from shardprep.prep.payoff import PlanRequest, plan_sharding
     from shardprep.prep.selection import parse_layers
 
@@ -324,7 +324,7 @@ def plan(args, weights, profile, workdir):
         label = report.convert_layers + (f" (pays from {report.pays_from_tokens} tokens)"
                                          if report.pays_from_tokens else "")
     else:
-        from shardprep.manifests.accounting import account_layers
+        from shardprep.planning.accounting import account_layers
 
         sizes = {r.layer: r.total_bytes for r in make_manifest(args, weights, range(args.layers)).layers}
         memory = lambda s: account_layers([sizes[i] for i in s], args.world)  # noqa: E731
@@ -340,7 +340,7 @@ def plan(args, weights, profile, workdir):
 
 def compare(args, profile, row, rep_before, rep_after):
     """Predicted against measured, and the floor, for one configuration at every token count."""
-    from shardprep.manifests.step_time import predict_step, step_floor
+    from shardprep.planning.step_time import predict_step, step_floor
 
     backend = profile.backend(None)
     points = []

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardprep.manifests import load_manifest
-from shardprep.manifests.accounting import (
+from shardprep.planning.accounting import (
     ZERO_COPY_MIN_ALIGNMENT,
     account,
     account_layers,

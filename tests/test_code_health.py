@@ -35,9 +35,9 @@ def test_docstring_examples_run(module):
 def test_most_pure_modules_have_runnable_examples():
     attempted = {m: doctest.testmod(importlib.import_module(m)).attempted for m in
                  ("shardprep.manifests.layout", "shardprep.manifests.manifest", "shardprep.manifests.dtypes",
-                  "shardprep.manifests.accounting", "shardprep.prep.selection", "shardprep.manifests.kv_cache",
-                  "shardprep.manifests.capacity", "shardprep.manifests.step_time",
-                  "shardprep.manifests.profile_format", "shardprep.prep.layer_choice")}
+                  "shardprep.planning.accounting", "shardprep.prep.selection", "shardprep.planning.kv_cache",
+                  "shardprep.planning.capacity", "shardprep.planning.step_time",
+                  "shardprep.planning.profile_format", "shardprep.planning.layer_choice")}
     assert all(attempted.values()), attempted
 
 

@@ -19,7 +19,7 @@ import torch
 from fp8_fixture import quantize_checkpoint_fp8
 from spawn_group import run_ranks
 
-from shardprep.manifests.profile_format import load_profile
+from shardprep.planning.profile_format import load_profile
 from shardprep.prep.convert import convert
 from shardprep.prep.export import export
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from shardprep.cli import app
 from shardprep.manifests import load_manifest
-from shardprep.manifests.profile_format import load_profile
+from shardprep.planning.profile_format import load_profile
 from shardprep.prep.convert import convert
 
 pytestmark = [pytest.mark.gpu,

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from shardprep.errors import SourceError
-from shardprep.manifests.accounting import account_layers
-from shardprep.manifests.capacity import capacity
-from shardprep.manifests.kv_cache import kv_cache_shape
+from shardprep.planning.accounting import account_layers
+from shardprep.planning.capacity import capacity
+from shardprep.planning.kv_cache import kv_cache_shape
 
 
 def config_of(checkpoint_cache, arch):

@@ -1,8 +1,8 @@
 """Choosing the layers to shard: evenly spread sets, the most memory under a bound, the least cost for a budget."""
 
-from shardprep.manifests.accounting import account_layers
-from shardprep.manifests.step_time import Segment, predict_step
-from shardprep.prep.layer_choice import choose_layers, evaluate, least_overhead, spread_sets
+from shardprep.planning.accounting import account_layers
+from shardprep.planning.layer_choice import choose_layers, evaluate, least_overhead, spread_sets
+from shardprep.planning.step_time import Segment, predict_step
 
 SIZE = 16 * 8 * 1000  # one layer's |T|, a multiple of 16·N
 N = 8

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from shardprep.cli import app
 from shardprep.manifests import load_manifest
-from shardprep.manifests.kv_cache import kv_cache_shape
-from shardprep.manifests.profile_format import BackendTimes, LayerTimes, Profile
+from shardprep.planning.kv_cache import kv_cache_shape
+from shardprep.planning.profile_format import BackendTimes, LayerTimes, Profile
 from shardprep.prep.convert import convert
 from shardprep.prep.plan import make_plan
 from shardprep.prep.selection import Selection, load_preset, parse_layers
@@ -260,7 +260,7 @@ def test_plan_trace_refuses_no_profile_and_an_unwritable_path_in_one_line(llama8
 
 
 def test_the_trace_shows_where_compute_waits_on_a_gather_and_a_gather_on_its_slot():
-    from shardprep.manifests.step_time import Segment, schedule_step
+    from shardprep.planning.step_time import Segment, schedule_step
     from shardprep.prep.schedule_trace import schedule_events
 
     # One slot, gathers longer than the layers: layer 0 waits for its gather, layer 1's gather waits for done(0).

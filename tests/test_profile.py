@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from shardprep.cli import app
 from shardprep.manifests import load_manifest
-from shardprep.manifests.profile_format import PROFILE_SCHEMA, load_profile
+from shardprep.planning.profile_format import PROFILE_SCHEMA, load_profile
 from shardprep.prep.convert import convert
 
 
@@ -84,7 +84,7 @@ def test_profile_refuses_a_directory_without_config_before_starting_ranks(checkp
 
 def test_a_profile_says_how_it_timed_compute_and_one_without_the_key_timed_eager_forwards(tmp_path):
     from shardprep.errors import ProfileError
-    from shardprep.manifests.profile_format import LayerTimes, Profile
+    from shardprep.planning.profile_format import LayerTimes, Profile
 
     graphed = Profile(1, "NVIDIA H200", (16,), (LayerTimes(0, (1.0,)),), (0.1,), (0.2,), (1.3,), (),
                       compute_mode="cuda-graph")

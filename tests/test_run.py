@@ -21,7 +21,8 @@ from spawn_group import free_port
 from typer.testing import CliRunner
 
 from shardprep.cli import app
-from shardprep.manifests import account, load_manifest
+from shardprep.manifests import load_manifest
+from shardprep.planning.accounting import account
 from shardprep.prep.convert import convert
 
 K = 6

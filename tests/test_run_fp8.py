@@ -89,7 +89,7 @@ def test_profile_of_a_block_fp8_output_measures_its_fp8_layers_and_plan_reads_it
     from typer.testing import CliRunner
 
     from shardprep.cli import app
-    from shardprep.manifests.profile_format import load_profile
+    from shardprep.planning.profile_format import load_profile
 
     out, path, trace = tmp_path / "out", tmp_path / "profile.json", tmp_path / "trace.json"
     convert(fp8_source, out, 2, preset="deepseek-v3")

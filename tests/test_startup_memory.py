@@ -191,7 +191,7 @@ def _gpu_startup(rank: int, n: int, out: str, backend: str) -> dict:
 def test_gpu_startup_peak_is_shards_slots_and_replicated_as_inspect_predicts(checkpoint_cache, tmp_path):
     """On 1 GPU a 1-rank manifest, on 2 GPUs a 2-rank one (nccl, then ce): the rank file is read straight into
     its zero-copy allocations, so the device never holds R/N twice."""
-    from shardprep.manifests.capacity import STAGING_BYTES
+    from shardprep.planning.capacity import STAGING_BYTES
     from shardprep.runtime import vmm
 
     n = min(torch.cuda.device_count(), 2)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardprep.manifests.step_time import Interference, Segment, predict_step, schedule_step, step_floor
+from shardprep.planning.step_time import Interference, Segment, predict_step, schedule_step, step_floor
 
 
 def test_a_model_with_nothing_sharded_takes_the_replicated_time():

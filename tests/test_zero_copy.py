@@ -18,7 +18,7 @@ from spawn_group import free_port
 
 from shardprep.errors import RuntimeShardError
 from shardprep.manifests import LayerRecord, Manifest, TensorSpec, align_up, plan_file_offsets, plan_layer
-from shardprep.manifests.accounting import account
+from shardprep.planning.accounting import account
 from shardprep.runtime import zero_copy as zc
 
 MIB = 1 << 20

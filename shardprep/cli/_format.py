@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..manifests.accounting import human_bytes as human_bytes  # one byte formatter for the library and the CLI
+from ..planning.accounting import human_bytes as human_bytes  # one byte formatter for the library and the CLI
 
 # Options that several commands take, declared once so that their checks and help agree.
 NumSlots = Annotated[int, typer.Option(min=1, metavar="N", help="Gather slots the runtime keeps.")]
@@ -18,7 +18,16 @@ KvDtype = Annotated[str, typer.Option(
     metavar="DTYPE", help="KV-cache dtype: auto (the model's), bf16, fp16, fp8, fp32.")]
 ContextLen = Annotated[int, typer.Option(
     min=1, metavar="TOKENS", help="Context length of one request, for the extra requests the saving allows.")]
-HbmGb = Annotated[float, typer.Option(metavar="GB", help="HBM per GPU in GB (10^9 bytes); 141 = H200.")]
+HbmGb = Annotated[float | None, typer.Option(
+    metavar="GB", help="HBM per GPU in GB (10^9 bytes); default 141 (an H200), or give --gpu.")]
+Gpu = Annotated[str | None, typer.Option(
+    metavar="NAME", help="The GPU, for its HBM instead of --hbm-gb: h100 (80 GB), h200 (141), b200 (192), b300, "
+    "a100, h20, mi300x, ... (parallel_layout.GPU_HBM_GB).")]
+Ep = Annotated[int, typer.Option(
+    "--ep", min=1, metavar="E", help="Expert-parallel ranks each MoE layer's routed experts are split over, as "
+    "vLLM and SGLang place them (default 1: every GPU holds every expert).")]
+Tp = Annotated[int, typer.Option(
+    "--tp", min=1, metavar="T", help="Tensor-parallel size; sharded mode is DP attention, so only 1.")]
 Dp = Annotated[int | None, typer.Option(
     "--dp", min=1, metavar="W", help="Data-parallel ranks W, in shard groups of N consecutive ranks (default: one "
     "group, W = N).")]
@@ -122,8 +131,11 @@ def not_carried_phrase(summary: Any) -> str:
     return f"; not carried over, as {summary.out}'s manifest does not list them: {', '.join(unlisted[:5])}{more}"
 
 
-def capacity_rows(totals: dict[str, Any], capacity: dict[str, Any], kv: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """The per-rank memory and KV-cache lines `plan` and `inspect` both print, as (label, value)."""
+def capacity_rows(totals: dict[str, Any], capacity: dict[str, Any], kv: dict[str, Any] | None,
+                  experts: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """The per-rank memory and KV-cache lines `plan` and `inspect` both print, as (label, value); `experts`
+    (an ExpertShard's dict) adds the routed experts a GPU holds under expert parallelism."""
+    experts = experts if experts and experts["ep"] > 1 else None
     n = totals["world_size"]
     rows = [
         ("sharded weights R (held whole on every rank without sharding)", human_bytes(totals["sharded_bytes"])),
@@ -137,8 +149,14 @@ def capacity_rows(totals: dict[str, Any], capacity: dict[str, Any], kv: dict[str
         rows.append(("  of which alignment padding", human_bytes(totals["padding_bytes"])))
     rows.append((f"gather bytes received per forward ({n}−1)·Σ C",
                  human_bytes(totals["gather_recv_bytes_per_forward"])))
-    rows.append(("replicated part (non-targets and unsharded targets)", human_bytes(capacity["replicated_part_bytes"])))
-    rows.append(("startup peak on the GPU: R/N + slots + replicated part", human_bytes(capacity["startup_peak_bytes"])))
+    rows.append(("replicated part (non-targets and unsharded targets" + (", routed experts apart)" if experts else ")"),
+                 human_bytes(capacity["replicated_part_bytes"])))
+    if experts:
+        rows.append((f"routed experts per GPU (EP {experts['ep']}: {experts['experts_per_gpu']} of "
+                     f"{experts['experts_per_layer']} per layer, {experts['moe_layers']} MoE layers)",
+                     human_bytes(capacity["expert_shard_bytes"])))
+    rows.append(("startup peak on the GPU: R/N + slots + replicated part" + (" + experts" if experts else ""),
+                 human_bytes(capacity["startup_peak_bytes"])))
     rows.append(("  host staging while loading (pinned)", human_bytes(capacity["staging_bytes"])))
     if kv is not None:
         rows.append((f"KV cache per token ({kv['kind']}, {kv['layers']} layers, {kv['dtype']})",

@@ -11,10 +11,13 @@ from ._errors import cli_errors
 from ._format import (
     ContextLen,
     Dp,
+    Ep,
+    Gpu,
     GpusPerNode,
     HbmGb,
     KvDtype,
     NumSlots,
+    Tp,
     capacity_rows,
     human_bytes,
     kind_totals_line,
@@ -37,18 +40,22 @@ def inspect_command(
     num_slots: NumSlots = 2,
     kv_dtype: KvDtype = "auto",
     context_len: ContextLen = 8192,
-    hbm_gb: HbmGb = 141.0,
+    hbm_gb: HbmGb = None,
+    gpu: Gpu = None,
     dp: Dp = None,
     gpus_per_node: GpusPerNode = 8,
+    ep: Ep = 1,
+    tp: Tp = 1,
     json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (schema shardprep/inspect/1).")]
     = False,
 ) -> None:
     """Show each layer's entries, |T| and C, and per rank what sharding saves and the KV cache it buys."""
+    from ..planning.parallel_layout import hbm_bytes
     from ..prep.inspect import inspect
 
     with cli_errors():
         info = inspect(out, num_slots=num_slots, kv_dtype=kv_dtype, context_len=context_len,
-                       hbm_bytes=int(hbm_gb * 10**9), dp=dp, gpus_per_node=gpus_per_node)
+                       hbm_bytes=hbm_bytes(gpu, hbm_gb), dp=dp, gpus_per_node=gpus_per_node, ep=ep, tp=tp)
     if json_out:
         print_json(info)
         return
@@ -65,7 +72,7 @@ def inspect_command(
     totals = Table(show_header=False, title="per rank")
     totals.add_column(justify="left")
     totals.add_column(justify="right")
-    for label, value in capacity_rows(info["totals"], info["capacity"], info["kv_cache"]):
+    for label, value in capacity_rows(info["totals"], info["capacity"], info["kv_cache"], info["experts"]):
         totals.add_row(label, value)
     console = Console()
     console.print(table)

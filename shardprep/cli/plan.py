@@ -13,10 +13,13 @@ from ._errors import cli_errors
 from ._format import (
     ContextLen,
     Dp,
+    Ep,
+    Gpu,
     GpusPerNode,
     HbmGb,
     KvDtype,
     NumSlots,
+    Tp,
     capacity_rows,
     human_bytes,
     kind_totals_line,
@@ -62,12 +65,15 @@ def plan_command(
         metavar="PCT", help="Largest predicted step-time overhead allowed, e.g. 5% or 0.05.")] = "5%",
     budget_gb: Annotated[float | None, typer.Option(
         metavar="GB", help="Instead: free at least this many GB (10^9 B) per rank at the least overhead.")] = None,
-    hbm_gb: HbmGb = 141.0,
+    hbm_gb: HbmGb = None,
+    gpu: Gpu = None,
     context_len: ContextLen = 8192,
     kv_dtype: KvDtype = "auto",
     num_slots: NumSlots = 2,
     dp: Dp = None,
     gpus_per_node: GpusPerNode = 8,
+    ep: Ep = 1,
+    tp: Tp = 1,
     chunk_alignment: Annotated[str | None, typer.Option(
         metavar="auto|none|SIZE", help="Chunk alignment convert will use, e.g. 2MiB (SRC: default auto, as "
                                        "convert; OUT has its own).")] = None,
@@ -79,6 +85,7 @@ def plan_command(
 ) -> None:
     """Per rank: memory saved, the KV-cache tokens and requests it buys, the startup peak; per layer: gather
     against compute; the layers to shard and the `convert --layers` argument; a one-line verdict."""
+    from ..planning.parallel_layout import hbm_bytes
     from ..prep.payoff import PlanRequest, plan_sharding
     from ..prep.plan import parse_chunk_alignment
     from ..prep.schedule_trace import plan_trace, trace_text
@@ -91,12 +98,12 @@ def plan_command(
             source=source, ranks=ranks, targets=tuple(target or ()), preset=preset, layers=layers,
             layer_pattern=layer_pattern, revision=revision, profile=profile, link_gbps=link_gbps,
             backend=backend.value if backend else None,
-            tokens=parse_token_counts(tokens) if tokens else None, hbm_bytes=int(hbm_gb * 10**9),
+            tokens=parse_token_counts(tokens) if tokens else None, hbm_bytes=hbm_bytes(gpu, hbm_gb),
             context_len=context_len, max_overhead=parse_fraction(max_overhead, "--max-overhead"),
             budget_bytes=None if budget_gb is None else int(budget_gb * 10**9), kv_dtype=kv_dtype,
             num_slots=num_slots,
             chunk_alignment=parse_chunk_alignment(chunk_alignment) if chunk_alignment else None,
-            dp=dp, gpus_per_node=gpus_per_node,
+            dp=dp, gpus_per_node=gpus_per_node, ep=ep, tp=tp,
         )
         report = plan_sharding(request)
         if trace_part is not None:
@@ -150,7 +157,7 @@ def print_plan(report: PlanReport, preset: str | None, targets: tuple[str, ...])
     memory.add_column(justify="left")
     memory.add_column(justify="right")
     for label, value in capacity_rows(shown.memory.to_dict(), report.capacity.to_dict(),
-                                      report.kv.to_dict() if report.kv else None):
+                                      report.kv.to_dict() if report.kv else None, report.experts.to_dict()):
         memory.add_row(label, value)
     console.print(memory)
     if report.convert_layers:

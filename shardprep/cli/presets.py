@@ -16,7 +16,7 @@ def presets_command(
     json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
 ) -> None:
     """List the built-in presets (for `convert --preset NAME`): globs, fused views, servers checked with."""
-    from ..prep.selection import builtin_presets, load_preset
+    from ..prep.selection import QUANTIZED_WEIGHTS, builtin_presets, load_preset
 
     with cli_errors():
         presets = [load_preset(name) for name in builtin_presets()]
@@ -24,6 +24,7 @@ def presets_command(
         print_json({"schema": SCHEMA, "presets": [
             {"name": p.name, "description": p.description, "targets": list(p.targets),
              "fused": [{"name": f.name, "members": list(f.members)} for f in p.fused],
+             "quantized_weights": list(QUANTIZED_WEIGHTS),
              "checked_with": [{"server": c.server, "mode": c.mode, "test": c.test} for c in p.checked_with]}
             for p in presets]})
         return
@@ -33,4 +34,6 @@ def presets_command(
             typer.echo(f"    {glob}")
         for f in p.fused:
             typer.echo(f"    fused {f.name} = {' + '.join(f.members)}")
+        typer.echo(f"    and of each ….weight, glob or fused view, the same module's "
+                   f"{', '.join(f'….{q}' for q in QUANTIZED_WEIGHTS)} (quantized checkpoints)")
         typer.echo(f"    checked with: {', '.join(map(str, p.checked_with)) or 'nothing'}")

@@ -16,7 +16,7 @@ from ._output_file import replaced_on_success
 from .run import Backend, Device
 
 if TYPE_CHECKING:
-    from ..manifests.profile_format import Profile
+    from ..planning.profile_format import Profile
 
 
 def profile_command(

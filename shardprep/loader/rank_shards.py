@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError, RuntimeShardError
-from ..manifests.capacity import STAGING_BYTES
 from ..manifests.checksums import digest
 from ..manifests.dtypes import torch_dtype
 from ..manifests.exact_read import open_for_reading, pread_exact, read_exact
@@ -39,6 +38,7 @@ from ..manifests.rank_file import check_rank_header
 from ..manifests.replicated import NOTICE_FILE, check_replicated_file, read_replicated_index
 from ..manifests.safetensors_header import SafetensorsHeader, read_safetensors_header
 from ..manifests.swap_lock import reads_output
+from ..planning.capacity import STAGING_BYTES
 
 Allocate = Callable[[int], torch.Tensor]
 """allocate(nbytes) → a 1-D uint8 device tensor of that size (for example, registered or shareable memory)."""

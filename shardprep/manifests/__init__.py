@@ -1,11 +1,10 @@
 """The format, pure: dtypes, layout math, the rank file's header, manifest dataclasses + JSON schema +
-invariants, accounting, and the strict readers every loader shares (exact reads, checksums, safe paths,
+invariants, and the strict readers every loader shares (exact reads, checksums, safe paths,
 hostile JSON, safetensors headers, the replicated part).
 
 No torch at import (`dtypes.torch_dtype` imports it when called) and nothing that writes files.
 """
 
-from .accounting import MemoryAccount, account
 from .layout import (
     ENTRY_ALIGNMENT,
     FILE_ALIGNMENT,
@@ -34,7 +33,7 @@ from .rank_file import plan_rank_file, rank_file_header, rank_file_name
 
 __all__ = [
     "ENTRY_ALIGNMENT", "FILE_ALIGNMENT", "MANIFEST_NAME", "NO_CHUNK_ALIGNMENT", "REPLICATED_INDEX",
-    "Entry", "FileRecord", "FusedGroup", "FusedView", "LayerLayout", "LayerRecord", "Manifest", "MemoryAccount",
-    "TensorSpec", "account", "align_up", "check_invariants", "chunk_range", "file_alignment_for", "load_manifest",
+    "Entry", "FileRecord", "FusedGroup", "FusedView", "LayerLayout", "LayerRecord", "Manifest",
+    "TensorSpec", "align_up", "check_invariants", "chunk_range", "file_alignment_for", "load_manifest",
     "plan_file_offsets", "plan_layer", "plan_rank_file", "rank_file_header", "rank_file_name",
 ]

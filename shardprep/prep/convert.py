@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import ShardprepError
 from ..manifests.manifest import MAX_WORLD_SIZE
+from .header_source import open_headers
 from .output_dir import check_output_dir, staged_output
 from .plan import ConvertPlan, make_plan, parse_chunk_alignment
 from .requant_jobs import RequantOptions
@@ -59,6 +60,7 @@ class ConvertSummary:
     seconds: float = 0.0
     dry_run: bool = False
     plan: dict[str, Any] = field(default_factory=dict)
+    fetched_bytes: int | None = None  # a dry run of a hub id: what its headers cost to fetch
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SUMMARY_SCHEMA, **asdict(self)}
@@ -83,6 +85,7 @@ def convert(
 ) -> ConvertSummary:
     """Convert a checkpoint into `ranks` per-rank files plus a manifest and the replicated part.
 
+    With `dry_run` a hub id is read from its headers alone (`header_source.py`), nothing downloaded.
     `requant` holds the block-FP8 options (default: requantize to UE8M0 where needed, the SGLang
     recipe). `chunk_alignment` is "auto", "none" or a size such as "2MiB" (see docs/format.md). With
     `dry_run` nothing is written: the summary says what would be. OUT is replaced atomically, under a
@@ -94,7 +97,8 @@ def convert(
     t0 = time.perf_counter()
     mode = check_write_options(ranks, copy_mode, chunk_alignment)  # before the source is read
     out = Path(out)
-    ckpt = open_source(src, revision)
+    # A dry run of a hub id reads the headers alone (by HTTP range), never the weights.
+    ckpt = open_headers(src, revision) if dry_run else open_source(src, revision)
     if not dry_run:
         check_output_dir(out, [ckpt.root], overwrite)  # early, before planning; again under the lock
     selection = Selection(
@@ -158,4 +162,5 @@ def _summary(out: Path, plan: ConvertPlan, t0: float, *, dry_run: bool = False, 
         seconds=time.perf_counter() - t0,
         dry_run=dry_run,
         plan=plan.describe() if dry_run else {},
+        fetched_bytes=plan.source.fetched_bytes() if plan.source.fetched_bytes else None,
     )

@@ -6,15 +6,17 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import IntegrityError, ManifestError, ShardprepError
-from ..manifests.accounting import account, zero_copy_applies
-from ..manifests.capacity import capacity
-from ..manifests.kv_cache import kv_cache_shape
 from ..manifests.layout import alignment_padding_bytes, used_bytes
 from ..manifests.manifest import Manifest, load_manifest
 from ..manifests.paths import resolve_inside
-from ..manifests.replicated import MAX_INDEX_BYTES
+from ..manifests.replicated import MAX_INDEX_BYTES, read_replicated_index
+from ..manifests.safetensors_header import read_safetensors_header
 from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem
 from ..manifests.strict_json import is_int, read_json_file
+from ..planning.accounting import account, zero_copy_applies
+from ..planning.capacity import capacity
+from ..planning.kv_cache import kv_cache_shape
+from ..planning.parallel_layout import check_expert_parallel, check_tensor_parallel, expert_shard
 from .quantized_targets import quantized_scales
 from .selection import recorded_preset_checks
 from .source import read_config
@@ -28,13 +30,15 @@ SCHEMA = "shardprep/inspect/1"
 
 def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto",
             context_len: int = DEFAULT_CONTEXT_LEN, hbm_bytes: int | None = DEFAULT_HBM_BYTES,
-            dp: int | None = None, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> dict[str, Any]:
+            dp: int | None = None, gpus_per_node: int = DEFAULT_GPUS_PER_NODE, ep: int = 1,
+            tp: int = 1) -> dict[str, Any]:
     """Per-layer sizes, per-rank memory/communication totals, and what the saving buys, of an output directory.
 
     The slot formula is the one the runtime uses for this directory: the own chunk aliased into its
     layer view where CUDA can map it (chunks aligned to 2 MiB or more), copied otherwise. `dp` data-parallel
     ranks (default: one group, the manifest's N) on nodes of `gpus_per_node` form shard groups of N: `groups`
-    says how, and `verdict_line` (else None) that a group would span nodes.
+    says how, and `verdict_line` (else None) that a group would span nodes. With `ep` > 1 the routed experts
+    are split over EP ranks (`experts`): they leave the replicated part, and each GPU holds its shard of them.
 
     >>> info = inspect("out/")  # doctest: +SKIP
     >>> info["totals"]["resident_bytes"]  # doctest: +SKIP
@@ -42,14 +46,19 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
     root = Path(directory)
     m = load_manifest(root)
     fit = _shard_groups(root, m.world_size, dp, gpus_per_node)
+    check_tensor_parallel(tp)
+    check_expert_parallel(ep, fit.world_size)
     crossing = fit.crosses_nodes_line()
     alignment = m.chunk_alignment
     aliased = zero_copy_applies(alignment)
     memory = account(m, non_target_bytes=replicated_bytes(root, m), num_slots=num_slots, aliased_own_chunk=aliased)
     config = read_config(root)
     kv = kv_cache_shape(config, kv_dtype, where=str(root / "config.json")) if config else None
-    cap = capacity(memory, kv, replicated_part_bytes=memory.non_target_bytes, context_len=context_len,
-                   hbm_bytes=hbm_bytes, rank_file_bytes=m.rank_file_bytes)
+    experts = expert_shard(replicated_tensor_bytes(root, m) if ep > 1 else {}, ep)
+    # Under expert parallelism the routed experts leave the replicated part: each GPU holds its 1/E of them.
+    cap = capacity(memory, kv, replicated_part_bytes=memory.non_target_bytes - experts.routed_bytes,
+                   context_len=context_len, hbm_bytes=hbm_bytes, rank_file_bytes=m.rank_file_bytes,
+                   expert_shard_bytes=experts.shard_bytes)
     kinds = [bytes_by_kind({e.name: e.nbytes for e in r.entries}) for r in m.layers]
     return {
         "schema": SCHEMA,
@@ -86,6 +95,7 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
         "kv_cache": kv.to_dict() if kv else None,
         "capacity": cap.to_dict(),
         "groups": fit.to_dict(),
+        "experts": experts.to_dict(),
         "quantized_targets": _quantized(root, m, num_slots),
         "verdict_line": None if crossing is None else (
             f"{crossing}; make a directory for N = {fit.largest_node_local}, the largest shard group that fits a "
@@ -120,6 +130,19 @@ def _shard_groups(root: Path, n: int, dp: int | None, gpus_per_node: int) -> Gro
         raise ShardprepError(f"--dp {world}: {problem}, the N {root} was converted for; use a multiple of {n}, "
                              f"or make a directory for a group size that divides {world} (`shardprep reshard`)")
     return GroupFit(world, gpus_per_node, n)
+
+
+def replicated_tensor_bytes(directory: str | Path, manifest: Manifest) -> dict[str, int]:
+    """Every non-target tensor of an output directory → its bytes, from the replicated files' headers (no data read).
+
+    >>> replicated_tensor_bytes("out/", load_manifest("out/"))["model.norm.weight"]  # doctest: +SKIP
+    """
+    index, _ = read_replicated_index(directory, manifest, verify=False)
+    sizes: dict[str, int] = {}
+    for file in index.files():
+        header = read_safetensors_header(resolve_inside(directory, file), whole_file=False)
+        sizes.update({name: t.nbytes for name, t in header.tensors.items()})
+    return sizes
 
 
 def replicated_bytes(directory: str | Path, manifest: Manifest) -> int:

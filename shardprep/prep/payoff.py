@@ -10,6 +10,7 @@ machine (`shardprep profile`) or only a link bandwidth:
   `convert --layers` argument that shards them;
 - the shard groups: with `--dp W` on nodes of `--gpus-per-node G`, W/N groups of N consecutive ranks,
   N = `--ranks` or, without it, the largest group size that divides W and fits a node;
+- the routed experts a GPU holds with `--ep E` (parallel_layout.py): 1/E of them, apart from the replicated part;
 - a one-line verdict (`crosses nodes` when a group of N would span nodes).
 
 No torch: the measuring is `shardprep profile`'s job.
@@ -24,21 +25,22 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ProfileError, ShardprepError
-from ..manifests.accounting import (
+from ..manifests.layout import align_up
+from ..manifests.manifest import MANIFEST_NAME, load_manifest
+from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem, largest_node_local_group
+from ..planning.accounting import (
     MemoryAccount,
     account_layers,
     human_bytes,
     unaligned_total_bytes,
     zero_copy_applies,
 )
-from ..manifests.capacity import Capacity, capacity
-from ..manifests.kv_cache import KvCacheShape, kv_cache_shape
-from ..manifests.layout import align_up
-from ..manifests.manifest import MANIFEST_NAME, load_manifest
-from ..manifests.profile_format import Profile, load_profile
-from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem, largest_node_local_group
-from ..manifests.step_time import StepPrediction, StepSchedule, predict_step, schedule_step
-from .layer_choice import LayerChoice, Predict, choose_layers, evaluate, least_overhead
+from ..planning.capacity import Capacity, capacity
+from ..planning.kv_cache import KvCacheShape, kv_cache_shape
+from ..planning.layer_choice import LayerChoice, Predict, choose_layers, evaluate, least_overhead
+from ..planning.parallel_layout import ExpertShard, check_expert_parallel, check_tensor_parallel, expert_shard
+from ..planning.profile_format import Profile, load_profile
+from ..planning.step_time import StepPrediction, StepSchedule, predict_step, schedule_step
 from .selection import DEFAULT_LAYER_PATTERN, Selection, format_layers, load_preset, parse_layers
 from .target_kinds import bytes_by_kind, kind_totals
 
@@ -59,7 +61,9 @@ class PlanRequest:
     """What `shardprep plan` was asked. `layers` limits the candidate layers (default: every layer with
     targets; for OUT, its sharded layers). Sizes are bytes; `max_overhead` a fraction (0.05 = 5%).
     `ranks` is the shard group size N (None: the largest that fits a node, with `dp`); `dp` the
-    data-parallel ranks W (None: one group, W = N); `gpus_per_node` the ranks of a node."""
+    data-parallel ranks W (None: one group, W = N); `gpus_per_node` the ranks of a node; `ep` the ranks
+    each MoE layer's routed experts are split over (1: every GPU holds them all); `tp` the tensor-parallel
+    size (only 1: sharded mode is DP attention)."""
 
     source: str
     ranks: int | None
@@ -81,6 +85,8 @@ class PlanRequest:
     chunk_alignment: int | None = None
     dp: int | None = None
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+    ep: int = 1
+    tp: int = 1
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class PlanReport:
     verdict: Verdict
     verdict_line: str
     groups: GroupFit
+    experts: ExpertShard
     kv: KvCacheShape | None = None
     pays_from_tokens: int | None = None
     convert_layers: str | None = None
@@ -125,6 +132,8 @@ class PlanReport:
     schedules: tuple[StepSchedule, ...] = ()
     schedule_layers: tuple[int, ...] = ()
     num_slots: int = 2
+    fetched_bytes: int | None = None
+    """A hub id, read from its headers alone: the bytes fetched from the hub (None: a local source)."""
 
     @property
     def kinds(self) -> dict[str, dict[str, int]]:
@@ -142,6 +151,7 @@ class PlanReport:
             "schema": PLAN_SCHEMA,
             "source": self.source,
             "kind": self.kind,
+            "fetched_bytes": self.fetched_bytes,
             "ranks": self.ranks,
             "model_layers": self.model_layers,
             "candidates": list(self.candidates),
@@ -158,6 +168,7 @@ class PlanReport:
             "chosen": choice(self.chosen),
             "capacity": self.capacity.to_dict(),
             "groups": self.groups.to_dict(),
+            "experts": self.experts.to_dict(),
             "pays_from_tokens": self.pays_from_tokens,
             "convert_layers": self.convert_layers,
             "verdict": self.verdict.value,
@@ -182,6 +193,8 @@ class _Model:
     chunk_alignment: int
     notes: tuple[str, ...] = ()
     kinds: dict[int, dict[str, int]] = field(default_factory=dict)  # candidate layer → its target bytes by kind
+    tensor_bytes: dict[str, int] = field(default_factory=dict)  # every non-target tensor → its bytes
+    fetched_bytes: int | None = None  # a hub id read from its headers: the bytes fetched
 
 
 def plan_sharding(request: PlanRequest) -> PlanReport:
@@ -193,7 +206,10 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     """
     fit = _shard_groups(request)
     n = fit.group_size
+    check_tensor_parallel(request.tp)
+    check_expert_parallel(request.ep, fit.world_size)
     model = _read_model(request, n)
+    experts = expert_shard(model.tensor_bytes, request.ep)
     alignment = model.chunk_alignment
     aliased = zero_copy_applies(alignment)
     slot_model = (f"aliased own chunk: slots {request.num_slots}·(N−1)/N·max|T| (CUDA, chunks aligned to "
@@ -203,6 +219,9 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     where = str(Path(request.source) / "config.json")
     kv = kv_cache_shape(model.config, request.kv_dtype, where=where) if model.config else None
     notes = list(model.notes)
+    if request.ep == 1 and experts.routed_bytes and fit.world_size > 1:
+        notes.append(f"the routed experts ({human_bytes(experts.routed_bytes)}) are counted whole on every GPU; "
+                     "DP attention deployments split them by expert parallelism: give --ep")
     if model.config is None:
         notes.append("no config.json: KV-cache figures are left out")
     elif kv is None:
@@ -255,9 +274,12 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
                 pays_from, from_choice = sorted(tokens)[k], found
                 break
     shown = chosen or from_choice or every
-    replicated_part = model.replicated_bytes + sum(model.sizes[i] for i in candidates if i not in shown.layers)
+    # Under expert parallelism the routed experts leave the replicated part: each GPU holds its 1/E of them.
+    expert_bytes = experts.shard_bytes if request.ep > 1 else 0
+    replicated_part = (model.replicated_bytes - (experts.routed_bytes if request.ep > 1 else 0)
+                       + sum(model.sizes[i] for i in candidates if i not in shown.layers))
     cap = capacity(shown.memory, kv, replicated_part_bytes=replicated_part, context_len=request.context_len,
-                   hbm_bytes=request.hbm_bytes)
+                   hbm_bytes=request.hbm_bytes, expert_shard_bytes=expert_bytes)
     least = least_overhead(candidates, memory, predict) if predict is not None else None
     verdict, line = _verdict(request, every, chosen, pays_from, from_choice, least, kv, gather_ms, gather_source,
                              tokens)
@@ -280,10 +302,10 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     return PlanReport(
         source=request.source, kind=model.kind, ranks=n, model_layers=model_layers, candidates=candidates,
         tokens=tokens, rows=rows, slot_model=slot_model, every_layer=every, chosen=chosen, capacity=cap,
-        verdict=verdict, verdict_line=line, groups=fit, kv=kv, pays_from_tokens=pays_from,
+        verdict=verdict, verdict_line=line, groups=fit, experts=experts, kv=kv, pays_from_tokens=pays_from,
         convert_layers=format_layers(pick.layers, num_layers=model_layers) if pick else None,
         gather_source=gather_source, backend=backend, notes=notes, schedules=schedules,
-        schedule_layers=shown.layers, num_slots=request.num_slots,
+        schedule_layers=shown.layers, num_slots=request.num_slots, fetched_bytes=model.fetched_bytes,
     )
 
 
@@ -398,22 +420,27 @@ def _read_model(request: PlanRequest, n: int) -> _Model:
 
 
 def _read_checkpoint(request: PlanRequest, n: int) -> _Model:
+    from .header_source import open_headers
     from .plan import make_plan
-    from .source import open_source
+    from .requant_jobs import RequantOptions
 
-    ckpt = open_source(request.source, request.revision)
+    ckpt = open_headers(request.source, request.revision)  # a hub id by HTTP range: no snapshot download
     selection = Selection(targets=request.targets, preset=load_preset(request.preset) if request.preset else None,
                           layers=parse_layers(request.layers),
                           layer_pattern=request.layer_pattern or DEFAULT_LAYER_PATTERN)
-    # Laid out as convert would for this N (its chunk alignment too, `auto` unless given).
-    plan = make_plan(ckpt, n, selection, chunk_alignment=request.chunk_alignment or "auto")
+    # Laid out as convert would for this N (its chunk alignment too, `auto` unless given). Without the requant:
+    # it keeps every size (scales stay F32 unless --scale-format says otherwise) and deciding it reads scales.
+    plan = make_plan(ckpt, n, selection, RequantOptions(mode="none"),
+                     chunk_alignment=request.chunk_alignment or "auto")
     sizes = {lay.layer: unaligned_total_bytes(lay.entries, n) for lay in plan.layouts}
     kinds = {lay.layer: bytes_by_kind({e.name: e.nbytes for e in lay.entries}) for lay in plan.layouts}
-    return _Model("checkpoint", sizes, plan.replicated_bytes, ckpt.config, plan.chunk_alignment, kinds=kinds)
+    rest = {name: t.nbytes for name, t in ckpt.tensors.items() if name not in plan.targets.names}
+    return _Model("checkpoint", sizes, plan.replicated_bytes, ckpt.config, plan.chunk_alignment, kinds=kinds,
+                  tensor_bytes=rest, fetched_bytes=ckpt.fetched_bytes() if ckpt.fetched_bytes else None)
 
 
 def _read_converted(root: Path, request: PlanRequest, n: int) -> _Model:
-    from .inspect import replicated_bytes
+    from .inspect import replicated_bytes, replicated_tensor_bytes
     from .source import read_config
 
     manifest = load_manifest(root)
@@ -434,4 +461,5 @@ def _read_converted(root: Path, request: PlanRequest, n: int) -> _Model:
     unsharded = sum(r.total_bytes for r in manifest.layers if r not in records)
     kinds = {r.layer: bytes_by_kind({e.name: e.nbytes for e in r.entries}) for r in records}
     return _Model("converted", sizes, replicated_bytes(root, manifest) + unsharded, config,
-                  request.chunk_alignment or manifest.chunk_alignment, tuple(notes), kinds)
+                  request.chunk_alignment or manifest.chunk_alignment, tuple(notes), kinds,
+                  replicated_tensor_bytes(root, manifest) if request.ep > 1 else {})

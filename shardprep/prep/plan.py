@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LayoutError, SourceError
-from ..manifests.accounting import ZERO_COPY_MIN_ALIGNMENT
 from ..manifests.layout import (
     NO_CHUNK_ALIGNMENT,
     LayerLayout,
@@ -27,6 +26,7 @@ from ..manifests.layout import (
 from ..manifests.manifest import MANIFEST_NAME, LayerRecord, Manifest
 from ..manifests.rank_file import header_json_bytes, plan_rank_file, rank_file_name
 from ..manifests.replicated import NOTICE_FILE, NOTICE_TENSOR, SHARDED_SENTINEL
+from ..planning.accounting import ZERO_COPY_MIN_ALIGNMENT
 from .requant_jobs import RequantOptions, RequantPlan, plan_requant
 from .selection import Selection, TargetPlan, select_targets
 from .source import INDEX_NAME, SINGLE_NAME, SourceCheckpoint
@@ -203,7 +203,7 @@ class ConvertPlan:
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for `convert --dry-run`: the selection per layer, byte totals, per-rank memory."""
-        from ..manifests.accounting import account
+        from ..planning.accounting import account
 
         return {
             "world_size": self.world_size,

@@ -16,8 +16,9 @@ from ..errors import IntegrityError
 from ..manifests.manifest import Manifest
 from ..manifests.replicated import NOTICE_FILE, check_replicated_file, read_replicated_index
 from ..manifests.safetensors_header import read_safetensors_header
+from .selection import QUANTIZED_WEIGHTS
 
-WEIGHT_NAMES = ("weight", "weight_packed")
+WEIGHT_NAMES = ("weight", *QUANTIZED_WEIGHTS)
 """What a preset takes of a quantized module."""
 COMPANIONS = ("weight_scale_inv", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "input_scale")
 """The tensors a quantized module keeps beside its weight, as block-FP8 and compressed-tensors checkpoints name them."""

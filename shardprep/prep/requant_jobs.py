@@ -352,7 +352,7 @@ def plan_requant(ckpt: SourceCheckpoint, targets: set[str], options: RequantOpti
         jobs[name] = RequantJob(name, w, str(ckpt.files[w.file].path), s, str(ckpt.files[s.file].path),
                                 RequantRecipe(options.recipe).value, options.allow_nonfinite, options.device,
                                 ScaleFormat(options.scale_format).value)
-    if not jobs or _all_pow2(jobs):
+    if not jobs or _all_pow2(ckpt, jobs):
         return None
     quant = dict(config.get("quantization_config") or {})
     quant["scale_fmt"] = "ue8m0"
@@ -366,8 +366,10 @@ def plan_requant(ckpt: SourceCheckpoint, targets: set[str], options: RequantOpti
     )
 
 
-def _all_pow2(jobs: dict[str, RequantJob]) -> bool:
-    """Scales are tiny (1/16384 of their weight), so reading all of them to check is cheap."""
+def _all_pow2(ckpt: SourceCheckpoint, jobs: dict[str, RequantJob]) -> bool:
+    """Scales are tiny (1/16384 of their weight), so reading all of them to check is cheap. Read through the
+    checkpoint, which fetches them by range for a hub checkpoint read from its headers; the first scale that is
+    not a power of two ends the check."""
     import numpy as np
 
     from ..requant.lookup import are_e8m0_powers_of_two
@@ -376,7 +378,7 @@ def _all_pow2(jobs: dict[str, RequantJob]) -> bool:
         s = job.scale
         if s.dtype != "F32":
             return False  # bf16/f16 scales of a checkpoint still to requantize: treat as not UE8M0
-        if not are_e8m0_powers_of_two(read_array(s, job.scale_path, np.float32)):
+        if not are_e8m0_powers_of_two(np.frombuffer(ckpt.read_tensor(s.name), np.float32)):
             return False
     return True
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ShardprepError
-from ..manifests.step_time import StepSchedule
+from ..planning.step_time import StepSchedule
 from .payoff import PlanReport
 from .selection import format_layers
 
@@ -41,7 +41,7 @@ def schedule_events(schedule: StepSchedule, *, pid: int, title: str, num_slots: 
     """One predicted step as trace events: metadata naming the process and its threads, then complete ("X")
     spans in microseconds on the step, compute and gather threads (see the module docstring).
 
-    >>> from shardprep.manifests.step_time import Segment, schedule_step
+    >>> from shardprep.planning.step_time import Segment, schedule_step
     >>> events = schedule_events(schedule_step([Segment(1.0), Segment(1.0, 2.0), Segment(0.5)]), pid=1, title="t")
     >>> [(e["name"], e["ts"], e["dur"]) for e in events if e["ph"] == "X" and e["tid"] == 1]
     [('compute before layer 0', 0.0, 1000.0), ('wait layer 0', 1000.0, 1000.0), ('compute layer 0', 2000.0, 1000.0), \

@@ -23,6 +23,13 @@ DEFAULT_LAYER_PATTERN = r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\."
 # Layer 0 is left replicated by default: its compute is what hides the gather of layer 1, and in
 # DeepSeek/Kimi-style models it is the dense layer.
 DEFAULT_LAYERS = "1-"
+QUANTIZED_WEIGHTS = ("weight_packed",)
+"""What quantized checkpoints name a module's weight where it is not `weight`, as their servers read it:
+compressed-tensors' pack-quantized and nvfp4-pack-quantized formats (`weight_packed`: int4 or FP4 values packed
+into int32 or uint8 words along the input dimension, one row per output row, like `weight`). The formats that keep
+`weight` (block FP8, compressed-tensors' int- and float-quantized, ModelOpt) need nothing more. GPTQ's and AWQ's
+`qweight` is not here: it holds the outputs on its second dimension, which a fused view, stacking rows, cannot
+fuse."""
 _SPAN = re.compile(r"(?P<first>\d*)\s*(?P<dash>-)?\s*(?P<last>\d*)(?::(?P<step>\d+))?")
 
 
@@ -57,12 +64,42 @@ class CheckedWith:
 
 @dataclass(frozen=True)
 class Preset:
+    """Target globs and fused views, as written in its JSON. A glob or a fused view of `….weight` also takes the
+    same modules' quantized weights (QUANTIZED_WEIGHTS: `….weight_packed`), with the same fused views, so that a
+    preset serves the checkpoints its model family publishes quantized (`globs`, `fused_rules`).
+
+    >>> p = Preset("p", ("*.q_proj.weight",), (FusedRule("qk.weight", ("q.weight", "k.weight")),))
+    >>> p.globs, [r.name for r in p.fused_rules]
+    (('*.q_proj.weight', '*.q_proj.weight_packed'), ['qk.weight', 'qk.weight_packed'])
+    """
+
     name: str
     targets: tuple[str, ...]
     fused: tuple[FusedRule, ...] = ()
     description: str = ""
     checked_with: tuple[CheckedWith, ...] = ()
     """Where outputs of this preset were served and checked; empty: nowhere (e.g. a user's own preset)."""
+
+    @property
+    def globs(self) -> tuple[str, ...]:
+        """Every glob it matches: its targets, then their quantized weights' names."""
+        return self.targets + tuple(_renamed(g, q) for q in QUANTIZED_WEIGHTS for g in self.targets if _is_weight(g))
+
+    @property
+    def fused_rules(self) -> tuple[FusedRule, ...]:
+        """Its fused views, then the same views of the quantized weights (their members never meet `.weight`'s)."""
+        return self.fused + tuple(
+            FusedRule(_renamed(rule.name, q), tuple(_renamed(m, q) for m in rule.members), rule.row_multiple)
+            for q in QUANTIZED_WEIGHTS for rule in self.fused if all(map(_is_weight, (rule.name, *rule.members))))
+
+
+def _is_weight(name: str) -> bool:
+    return name == "weight" or name.endswith(".weight")
+
+
+def _renamed(name: str, weight: str) -> str:
+    """`P.weight` as the quantized weight `weight` of the same module P."""
+    return name[: -len("weight")] + weight
 
 
 @dataclass(frozen=True)
@@ -362,7 +399,7 @@ def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:
             raise SelectionError(f"--target {glob!r} matches no tensor in the checkpoint")
         chosen.update(hits)
     if selection.preset is not None:
-        hits = [n for glob in selection.preset.targets for n in fnmatch.filter(all_names, glob)]
+        hits = [n for glob in selection.preset.globs for n in fnmatch.filter(all_names, glob)]
         if not hits and not selection.targets:
             raise SelectionError(
                 f"preset {selection.preset.name!r} matches no tensor in this checkpoint (its globs: "
@@ -386,7 +423,7 @@ def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:
             f"the selection matches no tensor in layers {selection.layers} "
             f"({len(chosen)} matched outside that range); check --layers"
         )
-    rules = selection.preset.fused if selection.preset else ()
+    rules = selection.preset.fused_rules if selection.preset else ()
     groups = {idx: _fused_groups(layer_names, rules) for idx, layer_names in layers.items()}
     return TargetPlan(dict(sorted(layers.items())), groups)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,10 @@ class SourceCheckpoint:
     revision: str | None = None
     commit: str | None = None
     index_metadata: dict[str, Any] = field(default_factory=dict)
+    read_range: Callable[[str, int, int], bytes] | None = None
+    """For a checkpoint read from its headers alone (`header_source.py`): reads (file, start, nbytes) remotely."""
+    fetched_bytes: Callable[[], int] | None = None
+    """For a checkpoint read from its headers alone: the bytes fetched from the hub so far."""
 
     @property
     def config(self) -> dict[str, Any] | None:
@@ -77,6 +82,8 @@ class SourceCheckpoint:
         >>> ckpt.read_tensor("model.norm.weight")[:4]  # doctest: +SKIP
         """
         t = self.tensors[name]
+        if self.read_range is not None:
+            return self.read_range(t.file, t.start, t.nbytes)
         data = bytearray(t.nbytes)
         with open(self.files[t.file].path, "rb") as f:
             pread_exact(f.fileno(), memoryview(data), t.start, self.files[t.file].path)
@@ -220,7 +227,7 @@ def open_source(src: str | Path, revision: str | None = None, *, whole_files: bo
     weight_map: dict[str, str] | None
     if index_path.exists():
         check_inside(index_path, root, boundary)
-        weight_map, index_metadata = _read_source_index(index_path)
+        weight_map, index_metadata = read_source_index(index_path)
         names = sorted(set(weight_map.values()))
     elif (root / SINGLE_NAME).exists():
         weight_map, names = None, [SINGLE_NAME]
@@ -231,31 +238,14 @@ def open_source(src: str | Path, revision: str | None = None, *, whole_files: bo
                               + (f" (found {len(found)} safetensors files without an index)" if found else ""))
         weight_map, names = None, found
 
-    files: dict[str, SourceFile] = {}
-    tensors: dict[str, SourceTensor] = {}
-    for name in names:
+    def header_of(name: str) -> SafetensorsHeader:
         path = root / name
-        # Hub snapshots are symlinks into blobs/, so only the name is checked here, not where it resolves.
-        if not is_safe_relpath(name) or not Path(os.path.normpath(path)).is_relative_to(os.path.normpath(root)):
-            raise SourceError(f"{index_path}: shard {quoted(name)} is outside the model directory")
         if not path.exists():
             raise SourceError(f"{index_path}: names shard {name!r}, which is missing from {root}")
         check_inside(path, root, boundary)
-        header = read_safetensors_header(path, whole_file=whole_files)
-        files[name] = SourceFile(name, path, header.file_size, list(header.tensors), header.metadata)
-        for tname, info in header.tensors.items():
-            if tname in tensors:
-                raise SourceError(f"tensor {quoted(tname)} is stored twice ({tensors[tname].file} and {name})")
-            tensors[tname] = SourceTensor(tname, info.dtype, info.shape, name, header.data_start + info.begin,
-                                          info.nbytes)
-    if weight_map is not None:
-        for tname, fname in weight_map.items():
-            if tname not in tensors or tensors[tname].file != fname:
-                raise SourceError(f"{index_path}: tensor {quoted(tname)} is mapped to {quoted(fname)}, which does "
-                                  "not hold it")
-        extra = set(tensors) - set(weight_map)
-        if extra:
-            raise SourceError(f"{index_path}: tensor {quoted(sorted(extra)[0])} is in a shard but not in the index")
+        return read_safetensors_header(path, whole_file=whole_files)
+
+    files, tensors = tensors_of(root, names, header_of, weight_map)
     weight_files = set(files) | {INDEX_NAME}
     other = sorted(
         str(p.relative_to(root)) for p in root.rglob("*")
@@ -269,7 +259,44 @@ def open_source(src: str | Path, revision: str | None = None, *, whole_files: bo
                             index_metadata)
 
 
-def _read_source_index(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
+def tensors_of(root: Path, names: list[str], header_of: Callable[[str], SafetensorsHeader],
+               weight_map: dict[str, str] | None) -> tuple[dict[str, SourceFile], dict[str, SourceTensor]]:
+    """The files `names` of a checkpoint at `root` and every tensor's location, from each file's header
+    (`header_of(name)`: read from disk, or from the hub by `header_source.py`), checked against the index.
+
+    >>> files, tensors = tensors_of(root, ["model.safetensors"], header_of, None)  # doctest: +SKIP
+    """
+    where = root / INDEX_NAME
+    files: dict[str, SourceFile] = {}
+    tensors: dict[str, SourceTensor] = {}
+    for name in names:
+        path = root / name
+        # Hub snapshots are symlinks into blobs/, so only the name is checked here, not where it resolves.
+        if not is_safe_relpath(name) or not Path(os.path.normpath(path)).is_relative_to(os.path.normpath(root)):
+            raise SourceError(f"{where}: shard {quoted(name)} is outside the model directory")
+        header = header_of(name)
+        files[name] = SourceFile(name, path, header.file_size, list(header.tensors), header.metadata)
+        for tname, info in header.tensors.items():
+            if tname in tensors:
+                raise SourceError(f"tensor {quoted(tname)} is stored twice ({tensors[tname].file} and {name})")
+            tensors[tname] = SourceTensor(tname, info.dtype, info.shape, name, header.data_start + info.begin,
+                                          info.nbytes)
+    if weight_map is not None:
+        for tname, fname in weight_map.items():
+            if tname not in tensors or tensors[tname].file != fname:
+                raise SourceError(f"{where}: tensor {quoted(tname)} is mapped to {quoted(fname)}, which does "
+                                  "not hold it")
+        extra = set(tensors) - set(weight_map)
+        if extra:
+            raise SourceError(f"{where}: tensor {quoted(sorted(extra)[0])} is in a shard but not in the index")
+    return files, tensors
+
+
+def read_source_index(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """A checkpoint's safetensors index: its weight map (tensor → file) and its metadata, checked.
+
+    >>> weight_map, metadata = read_source_index(Path("my-model/model.safetensors.index.json"))  # doctest: +SKIP
+    """
     try:
         index = read_json_file(path, max_bytes=MAX_INDEX_BYTES, what="safetensors index")
     except IntegrityError as exc:

@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, record_function
 
 from ..errors import RuntimeShardError
 from ..manifests.manifest import load_manifest
-from ..manifests.profile_format import BackendTimes, LayerTimes, Profile
+from ..planning.profile_format import BackendTimes, LayerTimes, Profile
 from .binding import Binding, bind
 from .gatherer import LayerGatherer
 from .launch import init_local_rank, launch_local

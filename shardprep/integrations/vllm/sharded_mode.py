@@ -22,9 +22,9 @@ from torch import nn
 
 from ...errors import ShardprepError
 from ...loader.rank_shards import iter_replicated, open_rank
-from ...manifests.accounting import account
 from ...manifests.manifest import Manifest, load_manifest
 from ...manifests.shard_groups import group_size_problem
+from ...planning.accounting import account
 from ...runtime.binding import Binding, bind
 from ...runtime.gatherer import LayerGatherer
 from ...runtime.shard_groups import shard_group

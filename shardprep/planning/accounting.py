@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .layout import ENTRY_ALIGNMENT, Entry, align_up, used_bytes
-from .manifest import Manifest
+from ..manifests.layout import ENTRY_ALIGNMENT, Entry, align_up, used_bytes
+from ..manifests.manifest import Manifest
 
 ZERO_COPY_MIN_ALIGNMENT = 2 << 20
 """CUDA's virtual-memory mapping granularity (2 MiB on H100/H200): the least chunk alignment that lets a

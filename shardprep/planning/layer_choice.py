@@ -13,8 +13,8 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..manifests.accounting import MemoryAccount
-from ..manifests.step_time import StepPrediction
+from .accounting import MemoryAccount
+from .step_time import StepPrediction
 
 MAX_PHASES = 16  # phases tried per set size: enough to place a sparse set anywhere within its stride
 
@@ -67,7 +67,7 @@ def choose_layers(candidates: Sequence[int], account: Account, predict: Predict 
     - else `max_overhead`: the set that saves the most while its worst-case overhead stays <= it (without
       `predict` the overhead is unknown: the set that saves the most).
 
-    >>> from shardprep.manifests.accounting import account_layers
+    >>> from shardprep.planning.accounting import account_layers
     >>> mem = lambda s: account_layers([1000 * 16] * len(s), world_size=2)
     >>> choose_layers(range(8), mem, None, budget_bytes=1).layers
     (0, 1, 3, 4, 6)
@@ -90,7 +90,7 @@ def choose_layers(candidates: Sequence[int], account: Account, predict: Predict 
 def least_overhead(candidates: Sequence[int], account: Account, predict: Predict) -> LayerChoice | None:
     """Of the sets that save memory, the one whose worst-case predicted overhead is least.
 
-    >>> from shardprep.manifests.accounting import account_layers
+    >>> from shardprep.planning.accounting import account_layers
     >>> mem = lambda s: account_layers([1000 * 16] * len(s), world_size=2)
     >>> least_overhead(range(8), mem, lambda s: []).layers  # no prediction: every set costs 0; the smallest wins
     (0, 1, 3, 4, 6)
