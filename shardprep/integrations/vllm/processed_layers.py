@@ -102,14 +102,14 @@ def needs_processing(binding: Binding, is_quantized: Callable[[nn.Module], bool]
 
 
 def process_layers(binding: Binding, group: Any, is_quantized: Callable[[nn.Module], bool],
-                   process: Process) -> ProcessedLayers:
+                   process: Process, model_name: Callable[[str], str] | None = None) -> ProcessedLayers:
     """Process every bound layer of `binding` and bind the model to this rank's share of the result.
 
     `binding`: the model bound to its unread rank shards through a `PlaceholderGatherer`, the replicated weights
     (the scales among them) already loaded. Collective over the shard group `group` (each rank gathers every layer,
     twice, and the ranks compare digests). `process(module)` runs the server's step on a quantized module and must
     make the server's own later pass skip it (`compat.process_quantized`). The placeholder binding's hooks are
-    removed.
+    removed. `model_name`: as `binding` was bound with it (`bind`).
 
     >>> processed = process_layers(binding, group, compat.is_quantized, compat.process_quantized)  # doctest: +SKIP
     >>> binding = processed.binding  # doctest: +SKIP
@@ -154,7 +154,7 @@ def process_layers(binding: Binding, group: Any, is_quantized: Callable[[nn.Modu
     if shards.device.type == "cuda":
         torch.cuda.empty_cache()
     ours = RankShards(processed, rank, buffer)
-    new = bind(model, ours, LayerGatherer(ours, group=group, backend="auto", strides=strides))
+    new = bind(model, ours, LayerGatherer(ours, group=group, backend="auto", strides=strides), model_name=model_name)
     modules = tuple(names[id(m)] for layer in binding.layers for m, _ in owners[layer.index] if id(m) in quantized)
     return ProcessedLayers(new, modules, manifest.rank_file_bytes)
 
