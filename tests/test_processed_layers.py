@@ -265,7 +265,7 @@ def new_module_as_attribute(module: nn.Module) -> None:
 
 def test_a_new_object_owning_a_module_is_still_refused(llama_n1, world_of_one):
     error = _refused(llama_n1, new_module_as_attribute)
-    assert "keeps model.layers.1.self_attn.o_proj.helper.quant_fp8 (Module) outside" in error, error
+    assert "keeps model.layers.1.self_attn.o_proj.helper (Kernel) outside" in error, error
 
 
 def test_a_step_that_gives_other_bytes_the_second_time_is_refused(llama_n1, world_of_one):

@@ -275,9 +275,10 @@ class _State:
 
 
 def _state(module: nn.Module) -> _State:
-    values = {(id(obj), k): id(v) for _, obj in _holders(module) for k, v in vars(obj).items()
+    holders = [obj for _, obj in _holders(module)]
+    values = {(id(obj), k): id(v) for obj in holders for k, v in vars(obj).items()
               if not (obj is module and k in _TORCH_FIELDS)}
-    return _State(values, frozenset({*values.values(), *(id(obj) for _, obj in _holders(module))}))
+    return _State(values, frozenset({*values.values(), *map(id, holders)}))
 
 
 def _refuse_hidden_state(module: nn.Module, name: str, before: _State, bound: Iterable[str]) -> None:
