@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj",
-         "deepseek-v3-mla-blocks", "kimi-linear", "bert", "kimi-k3")
+         "deepseek-v3-mla-blocks", "deepseek-v3-mla-blocks-8-heads", "kimi-linear", "bert", "kimi-k3")
 
 # The MLA dimensions of DeepSeek-V3 and Kimi-K2 that vLLM's CPU MLA kernel accepts (its latent head is
 # kv_lora_rank + qk_rope_head_dim = 576 wide, nothing else); q_lora_rank is the real models' 1536 shrunk.
@@ -42,7 +42,9 @@ def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 12
     The `*-mla` variants have the real MLA dimensions (MLA_DIMS), which vLLM's CPU MLA needs: DeepSeek-V3
     (q_lora_rank 128, grouped routing, one dense layer), Kimi-K2 (half the heads, twice the experts, one
     expert group, two dense layers), DeepSeek-V3 without q_lora_rank (`q_proj`, as DeepSeek-V2-Lite), and
-    DeepSeek-V3 with whole 128-blocks (`*-mla-blocks`, hidden 256: vLLM's block-FP8 MoE takes no partial block).
+    DeepSeek-V3 with whole 128-blocks (`*-mla-blocks`, hidden 256: vLLM's block-FP8 MoE takes no partial block),
+    also with 8 heads (`*-mla-blocks-8-heads`: o_proj's K is 1024, so DeepGEMM's SM100 scale of it is [256, 2],
+    strided, where every other projection's K is at most 512).
     `kimi-linear` is transformers' Kimi-Linear: KDA and MLA layers, MoE with a shared expert.
     """
     import transformers as tf
@@ -75,12 +77,13 @@ def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 12
                                    q_lora_rank=128 if arch == "deepseek-v3-mla" else None, **MLA_DIMS,
                                    max_position_embeddings=256, tie_word_embeddings=False,
                                    topk_method="noaux_tc", scoring_func="sigmoid")
-    if arch == "deepseek-v3-mla-blocks":
+    if arch in ("deepseek-v3-mla-blocks", "deepseek-v3-mla-blocks-8-heads"):
         # deepseek-v3-mla with every MLP (dense, shared and routed experts) a whole number of 128×128 blocks:
         # vLLM's block-FP8 MoE takes no partial block (its scale shapes disagree with the checkpoint's).
+        heads = 8 if arch.endswith("8-heads") else 4
         return tf.DeepseekV3Config(vocab_size=vocab, hidden_size=256, intermediate_size=512,
-                                   moe_intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                                   num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
+                                   num_key_value_heads=heads, n_routed_experts=4, num_experts_per_tok=2,
                                    n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
                                    q_lora_rank=128, **MLA_DIMS, max_position_embeddings=256,
                                    tie_word_embeddings=False, topk_method="noaux_tc", scoring_func="sigmoid")

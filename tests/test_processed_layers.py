@@ -134,15 +134,20 @@ def handle_beside_weight(module: nn.Module) -> None:
     module.handle = Handle(module.weight)
 
 
-def transposed(module: nn.Module) -> None:
-    module.weight = nn.Parameter(module.weight.detach().t(), requires_grad=False)
+def expanded(module: nn.Module) -> None:
+    module.weight = nn.Parameter(module.weight.detach()[:1].expand(module.weight.shape), requires_grad=False)
+
+
+def viewed_twice(module: nn.Module) -> None:
+    module.weight_t = nn.Parameter(module.weight.detach().t(), requires_grad=False)
 
 
 @pytest.mark.parametrize("step, says", [
     (weight_into_handle, "left model.layers.1.self_attn.o_proj.weight None"),
     (tensor_as_attribute, "keeps model.layers.1.self_attn.o_proj.packed (Tensor) outside the module's registered"),
     (handle_beside_weight, "keeps model.layers.1.self_attn.o_proj.handle (Handle) outside the module's registered"),
-    (transposed, "left model.layers.1.self_attn.o_proj.weight not contiguous (shape [64, 64], stride [1, 64])"),
+    (expanded, "left model.layers.1.self_attn.o_proj.weight with its elements overlap (stride 0 over 64 elements) "
+               "(shape [64, 64], stride [0, 1])"),
 ])
 def test_a_processed_form_a_gathered_view_cannot_feed_is_refused_naming_the_module(llama_n1, world_of_one, step,
                                                                                    says):
@@ -150,6 +155,59 @@ def test_a_processed_form_a_gathered_view_cannot_feed_is_refused_naming_the_modu
     assert error.startswith("shard_weights: Linear.process_weights_after_loading "), error
     assert says in error, error
     assert error.endswith("serve this directory in full mode"), error
+
+
+def test_processed_tensors_that_share_memory_are_refused_naming_both(llama_n1, world_of_one):
+    error = _refused(llama_n1, viewed_twice)
+    assert error == ("shard_weights: after processing, model.layers.1.self_attn.o_proj.weight and "
+                     "model.layers.1.self_attn.o_proj.weight_t share memory (views of one storage), which separate "
+                     "gathered copies would not; serve this directory in full mode"), error
+
+
+def mn_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` [N, K] laid out as DeepGEMM's SM100 scales are: MN-major, columns align(N, 4) + 4 elements apart (a gap
+    in every column, so that its storage span has holes), same values."""
+    n, k = t.shape
+    return torch.empty_strided((n, k), (1, n + 4), dtype=t.dtype).copy_(t)
+
+
+def into_strided(module: nn.Module) -> None:
+    """A processing step that leaves strided tensors, as DeepGEMM's on SM100: the weight MN-major with gaps, and a
+    [N, 1] scale whose size-1 dimension has stride N + 4 (contiguous to torch, not to the kernel). The forward
+    asserts both layouts, as DeepGEMM asserts the scale's."""
+    n = module.weight.shape[0]
+    module.weight = nn.Parameter(mn_major(module.weight.detach()), requires_grad=False)
+    module.scale = nn.Parameter(mn_major(torch.ones(n, 1, dtype=module.weight.dtype)), requires_grad=False)
+
+    def forward(x: torch.Tensor, m: nn.Module = module) -> torch.Tensor:
+        assert m.weight.stride() == (1, n + 4) and m.scale.stride() == (1, n + 4), (m.weight.stride(), m.scale.stride())
+        return F.linear(x, m.weight * m.scale)
+
+    module.forward = forward
+
+
+def _strided_logits(rank: int, world_size: int, out: str) -> dict:
+    binding = placeholder_bound(out, rank, world_size)
+    new = process_layers(binding, None, quantized, into_strided).binding
+    with torch.no_grad():
+        logits = new.model(torch.tensor(PROMPT)).logits
+    o_proj = new.model.model.layers[1].self_attn.o_proj
+    return {"logits": logits.float().tolist(), "strides": [o_proj.weight.stride(), o_proj.scale.stride()],
+            "in_slot": o_proj.weight.untyped_storage().data_ptr() != 0 and o_proj.weight.data_ptr()
+            == new.gatherer.views(1)["model.layers.1.self_attn.o_proj.weight"].data_ptr()}
+
+
+def test_strided_processed_tensors_are_gathered_by_their_span_and_keep_their_strides(llama_n2):
+    import transformers
+
+    src, out = llama_n2
+    reference = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(torch.tensor(PROMPT)).logits
+    for got in run_ranks(_strided_logits, 2, str(out), timeout=300):
+        assert got["logits"] == expected.float().tolist()  # the forward's stride asserts held, the values too
+        assert got["strides"] == [(1, 68), (1, 68)]
+        assert got["in_slot"]
 
 
 class Method:
@@ -174,11 +232,21 @@ def test_process_quantized_runs_vllms_step_each_time_and_makes_vllms_pass_skip_o
 
 
 class Kernel:
-    """A kernel object a quant method holds, as vLLM's hold theirs."""
+    """A kernel object a quant method holds, as vLLM's hold theirs, owning a module without weights (DeepGEMM's
+    kernel owns a QuantFP8, which quantizes the activations)."""
+
+    def __init__(self):
+        self.quant_fp8 = nn.Module()
+
+
+class QuantMethod:
+    def __init__(self):
+        self.kernel = Kernel()
 
 
 def point_at_its_kernel(module: nn.Module) -> None:
-    module.warmup_provider = module.kernel  # DeepGEMM sets layer.deep_gemm_warmup_provider = the kernel itself
+    # DeepGEMM sets layer.deep_gemm_warmup_provider = the kernel itself, on SM90 and SM100.
+    module.warmup_provider = module.method.kernel
     negate(module)
 
 
@@ -186,8 +254,18 @@ def test_a_processed_module_may_point_at_an_object_it_held_already(llama_n1, wor
     binding = placeholder_bound(llama_n1)
     for name, module in binding.model.named_modules():
         if name.endswith("o_proj"):
-            module.kernel = Kernel()
+            module.method = QuantMethod()  # the kernel two attributes deep, as vLLM's quant_method holds it
     assert len(process_layers(binding, None, quantized, point_at_its_kernel).modules) == 2
+
+
+def new_module_as_attribute(module: nn.Module) -> None:
+    module.helper = Kernel()  # a new object, owning a new module
+    negate(module)
+
+
+def test_a_new_object_owning_a_module_is_still_refused(llama_n1, world_of_one):
+    error = _refused(llama_n1, new_module_as_attribute)
+    assert "keeps model.layers.1.self_attn.o_proj.helper (Kernel) outside" in error, error
 
 
 def test_a_step_that_gives_other_bytes_the_second_time_is_refused(llama_n1, world_of_one):

@@ -44,6 +44,7 @@ on events: no tensor is allocated there and no Python loop runs over tensors.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -118,6 +119,8 @@ class LayerGatherer:
     - `alignment_tags`: with a collective backend, gather a (layer, forward) tag with every chunk
       and raise at the next begin() if the ranks' schedules slipped (default; False only to measure
       what the tags cost).
+    - `strides`: entry name → strides, for entries that hold a strided tensor's storage span (a weight a
+      server processed into a strided layout: storage_span.py); their views get those strides back.
     - `debug_alignment`: at every begin(), all ranks compare their step over a gloo side group and
       raise an error naming the disagreeing ranks instead of hanging (costs one small all-reduce).
     - `timeout`: how long a CPU (gloo) gather or the alignment check may wait. NCCL gathers use the
@@ -146,6 +149,7 @@ class LayerGatherer:
         timeout: timedelta = timedelta(minutes=10),
         zero_copy: bool | None = None,
         alignment_tags: bool = True,
+        strides: Mapping[str, tuple[int, ...]] | None = None,
     ):
         group, rank, world_size = group_and_rank(group)
         if world_size != shards.world_size or rank != shards.rank:
@@ -187,7 +191,7 @@ class LayerGatherer:
         self._outs = tuple(outs)  # per position: the flat bytes a gather fills (a slot, or a zero-copy view)
         # Every view through a storage of its own: fixed addresses a compiler may treat as memory of their own
         # (views.own_storage says why).
-        self._views = tuple(layer_views(r, out, own_storages=True) for r, out in zip(records, outs))
+        self._views = tuple(layer_views(r, out, own_storages=True, strides=strides) for r, out in zip(records, outs))
         self._ops = tuple(self.backend.plan(shards.chunk(r.layer), out, in_place=self.zero_copy,
                                             tags=None if tags is None else tags[i])
                           for i, (r, out) in enumerate(zip(records, outs)))

@@ -7,6 +7,7 @@ returns the dict.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,14 +15,17 @@ import torch
 from ..errors import RuntimeShardError
 from ..manifests.dtypes import torch_dtype
 from ..manifests.manifest import LayerRecord
+from .storage_span import rebind
 
 
-def layer_views(record: LayerRecord, slot: torch.Tensor, own_storages: bool = False) -> dict[str, torch.Tensor]:
+def layer_views(record: LayerRecord, slot: torch.Tensor, own_storages: bool = False,
+                strides: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
     """name → tensor for every entry and fused view of `record`, viewing the flat uint8 `slot` (no copy).
 
     `slot` must hold the layer's full buffer T (at least `record.total_bytes` bytes); it is usually
     one of the gatherer's ping-pong slots. With `own_storages`, each view reaches the same bytes through
-    a storage object of its own (`own_storage`).
+    a storage object of its own (`own_storage`). `strides`: entry name → the strides of an entry whose
+    bytes are a strided tensor's storage span (storage_span.py), seen with those strides again.
 
     >>> from shardprep.manifests import plan_layer, TensorSpec, LayerRecord
     >>> lay = plan_layer(0, [TensorSpec("l.0.w", "F32", (2, 2))], world_size=2)
@@ -36,13 +40,20 @@ def layer_views(record: LayerRecord, slot: torch.Tensor, own_storages: bool = Fa
         raise RuntimeShardError(
             f"layer {record.layer} needs {record.total_bytes} bytes but the slot has {slot.numel()}"
         )
+    strides = strides or {}
     views: dict[str, torch.Tensor] = {}
     for e in record.entries:
+        if e.name in strides:
+            continue
         views[e.name] = _view(slot, e.name, e.dtype, e.shape, e.offset, e.nbytes)
     for v in record.views:
         views[v.name] = _view(slot, v.name, v.dtype, v.shape, v.offset, v.nbytes)
     if own_storages:
         views = {name: own_storage(t) for name, t in views.items()}
+    for e in record.entries:
+        if e.name in strides:
+            span = slot[e.offset:e.offset + e.nbytes].view(torch_dtype(e.dtype, tensor=e.name))
+            views[e.name] = rebind(own_storage(span) if own_storages else span, e.shape, strides[e.name])
     return views
 
 

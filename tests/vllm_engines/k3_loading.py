@@ -1,6 +1,8 @@
-"""Build vLLM's Kimi K3 text model (`KimiLinearForCausalLM`) on the CPU, without an engine, and load it: with vLLM's
-default loader from the source checkpoint, with shardprep's full mode, and with its sharded mode; then gather every
-bound layer and read the bound targets' bytes.
+"""Build vLLM's Kimi K3 on the CPU, without an engine, and load it: with vLLM's default loader from the source
+checkpoint, with shardprep's full mode, and with its sharded mode; then gather every bound layer and read the bound
+targets' bytes. Twice: the text model alone (`KimiLinearForCausalLM`), and K3 as published
+(`KimiK3ForConditionalGeneration`: vision tower, projector and `language_model.*`, `write_published`), with images
+and without (`limit_mm_per_prompt={"image": 0}`: vLLM then builds no vision tower).
 
 `python tests/vllm_engines/k3_loading.py PLAN.json RESULTS.json` (inside the vLLM virtual environment), one process
 per data-parallel rank (the test starts them, test_vllm_kimi_k3.py).
@@ -15,10 +17,13 @@ loader's checks after it run too). What building K3 on the CPU needs, checked on
 - `torch.cuda.Stream` and `torch.cuda.Event` replaced by inert objects while the model is built: the model (its
   MLA output-gate stream), the MoE and KDA make them in their constructors, and CPU torch refuses both;
 - `enable_prefix_caching=False` (MLA on the CPU forces it off anyway) and vLLM's CPU model runner's no-op
-  `torch.accelerator` calls, which the base loader's `load_model` makes after loading.
+  `torch.accelerator` calls, which the base loader's `load_model` makes after loading;
+- K3's MLA kv_b_proj flagged for the plain linear path, as vLLM flags its generic MLA's (`keep_kv_b_proj_weight`).
 
 PLAN: {"dp_size", "dp_rank", "dp_port", "source", "full" (a convert output), "sharded" (this rank's directory),
-"refusals": {name: directory}}. RESULTS: what the test asserts on (see `main`).
+"refusals": {name: directory}, "published": {"source", "full", "sharded" (per DP rank)}: where rank 0 writes the
+published checkpoint, its `--preset kimi-k3` output and each rank's directory}. RESULTS: what the test asserts on
+(see `main`).
 """
 
 from __future__ import annotations
@@ -76,12 +81,14 @@ def keep_kv_b_proj_weight() -> None:
     MultiHeadLatentAttention._shardprep_flagged = True  # type: ignore[attr-defined]
 
 
-def engine_config(model: str, load_format: str, extra: dict | None, dp_size: int, dp_rank: int, dp_port: int):
+def engine_config(model: str, load_format: str, extra: dict | None, dp_size: int, dp_rank: int, dp_port: int,
+                  images: bool = True):
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
                       enable_prefix_caching=False, skip_tokenizer_init=True, load_format=load_format,
-                      model_loader_extra_config=extra or {}, data_parallel_size=dp_size)
+                      model_loader_extra_config=extra or {}, data_parallel_size=dp_size,
+                      **({} if images else {"limit_mm_per_prompt": {"image": 0}}))
     config = args.create_engine_config()
     parallel = config.parallel_config
     parallel.data_parallel_rank, parallel.data_parallel_rank_local = dp_rank, dp_rank
@@ -109,40 +116,79 @@ def as_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
-def main(plan_path: str, results_path: str) -> None:
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.model_executor.model_loader import DefaultModelLoader
-    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+TINY_VISION = {"patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 2,
+               "vt_num_attention_heads": 2, "vt_num_hidden_layers": 2, "vt_hidden_size": 32,
+               "vt_intermediate_size": 64, "qkv_hidden_size": 32, "merge_kernel_size": [2, 2]}
+"""A tiny K3 vision tower (MoonViT3d) and projector (patchmergerv2); K3's other vision settings as vLLM's defaults."""
 
+
+def published_name(text_name: str) -> str:
+    """A text tensor's name in Kimi K3's published checkpoint: under `language_model.`, its decoder layers as
+    `language_model.layers.N` (vLLM's `hf_to_vllm_mapper` maps them to `language_model.model.layers.N`)."""
+    if text_name.startswith("model.layers."):
+        return "language_model." + text_name.removeprefix("model.")
+    return "language_model." + text_name
+
+
+def write_published(text: Path, directory: Path, dp: tuple[int, int, int]) -> None:
+    """Kimi K3 in its published layout: config.json (vLLM's KimiK3Config around `text`'s config), the vision tower
+    and projector built by vLLM's own classes (`MoonViT3dPretrainedModel`, `KimiK25MultiModalProjector`), random,
+    saved under the checkpoint's names (`vision_tower.*`, `mm_projector.proj.0/2`: vLLM maps them to
+    `linear_1/2`), and `text`'s tensors under `language_model.*` (`published_name`)."""
+    from safetensors.torch import load_file, save_file
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.kimi_k25_vit import KimiK25MultiModalProjector, MoonViT3dPretrainedModel
+    from vllm.transformers_utils.configs.kimi_k3 import KimiK3Config
+    from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+
+    directory.mkdir(parents=True)
+    text_config = KimiLinearConfig.from_pretrained(text)
+    KimiK3Config(text_config=text_config.to_dict(), vision_config=TINY_VISION, media_placeholder_token_id=127,
+                 architectures=["KimiK3ForConditionalGeneration"], torch_dtype="bfloat16").save_pretrained(directory)
+    config = engine_config(str(directory), "safetensors", None, *dp)
+    vision = config.model_config.hf_config.vision_config
+    with set_current_vllm_config(config), torch.device("cpu"):
+        tower = MoonViT3dPretrainedModel(vision, prefix="vision_tower")
+        projector = KimiK25MultiModalProjector(vision, out_hidden_size=text_config.hidden_size,
+                                               prefix="mm_projector")
+    generator = torch.Generator().manual_seed(1)
+    checkpoint_names = {"linear_1.": "proj.0.", "linear_2.": "proj.2."}
+    tensors = {}
+    for prefix, module in (("vision_tower.", tower), ("mm_projector.", projector)):
+        for name, p in module.named_parameters():
+            for new, old in checkpoint_names.items():
+                name = name.replace(new, old) if prefix == "mm_projector." and name.startswith(new) else name
+            tensors[prefix + name] = (torch.randn(p.shape, generator=generator) * 0.02).to(torch.bfloat16)
+    tensors |= {published_name(name): t for name, t in load_file(text / "model.safetensors").items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def full_mode_against_vllm(source: str, full: str, dp: tuple[int, int, int],
+                           images: bool = True) -> tuple[dict[str, bytes], int, list[str]]:
+    """vLLM's default loader on `source` against shardprep's full mode on its convert output `full`: the default
+    loader's bytes by parameter name, how many parameters, and those whose bytes differ."""
+    from vllm.model_executor.model_loader import DefaultModelLoader
+
+    from shardprep.integrations.vllm.model_loader import ShardprepModelLoader
+
+    config = engine_config(source, "safetensors", None, *dp, images=images)
+    ref = {name: as_bytes(p) for name, p in build(config, DefaultModelLoader(config.load_config),
+                                                   full_load=False).named_parameters()}
+    config = engine_config(full, "shardprep", None, *dp, images=images)
+    got = {name: as_bytes(p) for name, p in build(config, ShardprepModelLoader(config.load_config),
+                                                   full_load=False).named_parameters()}
+    return ref, len(ref), sorted(n for n in ref.keys() | got.keys() if ref.get(n) != got.get(n))
+
+
+def sharded_binding(directory: str, ref: dict[str, bytes], dp: tuple[int, int, int]) -> dict[str, Any]:
+    """Sharded mode on this rank's `directory`, through `load_model` (vLLM's post-load processing included): what
+    each target bound to, and whether each layer's gather gives `ref`'s bytes (the default loader's)."""
     from shardprep.integrations.vllm.model_loader import ShardprepModelLoader
     from shardprep.integrations.vllm.sharded_mode import startup_line
 
-    plan = json.loads(Path(plan_path).read_text())
-    dp = (plan["dp_size"], plan["dp_rank"], plan["dp_port"])
-    _set_torch_accelerator_to_noop()  # what vLLM's CPU model runner does: the base loader calls empty_cache
-    keep_kv_b_proj_weight()
-    source = engine_config(plan["source"], "safetensors", None, *dp)
-    with set_current_vllm_config(source):
-        # At DP > 1 vLLM offsets the rank and meets its DP peers at data_parallel_master_port.
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{dp[2]}")
-        initialize_model_parallel(1, 1)
-    results: dict[str, Any] = {}
-
-    reference = build(source, DefaultModelLoader(source.load_config), full_load=False)
-    ref = {name: as_bytes(p) for name, p in reference.named_parameters()}
-    results["parameters"] = len(ref)
-
-    full_config = engine_config(plan["full"], "shardprep", None, *dp)
-    full = build(full_config, ShardprepModelLoader(full_config.load_config), full_load=False)
-    got = {name: as_bytes(p) for name, p in full.named_parameters()}
-    results["full_mode_differs"] = sorted(n for n in ref.keys() | got.keys() if ref.get(n) != got.get(n))
-    del full
-
-    sharded_config = engine_config(plan["sharded"], "shardprep", {"shard_weights": True}, *dp)
-    loader = ShardprepModelLoader(sharded_config.load_config)
-    model = build(sharded_config, loader, full_load=True)
+    config = engine_config(directory, "shardprep", {"shard_weights": True}, *dp)
+    loader = ShardprepModelLoader(config.load_config)
+    model = build(config, loader, full_load=True)
     binding = loader.binding
     assert binding is not None
     names = {id(p): name for name, p in model.named_parameters()}
@@ -155,14 +201,54 @@ def main(plan_path: str, results_path: str) -> None:
             if f".{layer}." in target and target not in gathered:
                 gathered[target] = as_bytes(param) == ref[names[id(param)]]
         gatherer.done(layer)
-    results["sharded"] = {
-        "startup_line": startup_line(binding, plan["sharded"]),
+    return {
+        "startup_line": startup_line(binding, directory),
         "bound": {target: names[id(p)] for target, p in binding.target_parameters.items()},
         "gathered_equal": gathered,
         "built_without_storage": sorted(name for name, _ in loader._without_storage),
         "local_chunk_bytes": sum(binding.shards.chunk(layer).numel() for layer in gatherer.layers),
         "slot_bytes": gatherer.slot_bytes,
     }
+
+
+def main(plan_path: str, results_path: str) -> None:
+    from engine_runs import own_rank_files
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    from shardprep.integrations.vllm.model_loader import ShardprepModelLoader
+    from shardprep.prep.convert import convert
+
+    plan = json.loads(Path(plan_path).read_text())
+    dp = (plan["dp_size"], plan["dp_rank"], plan["dp_port"])
+    _set_torch_accelerator_to_noop()  # what vLLM's CPU model runner does: the base loader calls empty_cache
+    keep_kv_b_proj_weight()
+    source = engine_config(plan["source"], "safetensors", None, *dp)
+    with set_current_vllm_config(source):
+        # At DP > 1 vLLM offsets the rank and meets its DP peers at data_parallel_master_port.
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{dp[2]}")
+        initialize_model_parallel(1, 1)
+    results: dict[str, Any] = {}
+    ref, results["parameters"], results["full_mode_differs"] = full_mode_against_vllm(
+        plan["source"], plan["full"], dp)
+    results["sharded"] = sharded_binding(plan["sharded"], ref, dp)
+
+    published = plan["published"]
+    if dp[1] == 0:  # rank 0 writes K3 in its published layout and converts it; the other rank waits
+        write_published(Path(plan["source"]), Path(published["source"]), dp)
+        convert(published["source"], published["full"], dp[0], preset="kimi-k3")
+        own_rank_files(Path(published["full"]), Path(published["full"]).parent, dp[0])
+    torch.distributed.barrier()
+    results["published"] = {}
+    for images in (True, False):
+        ref, count, differs = full_mode_against_vllm(published["source"], published["full"], dp, images)
+        results["published"][f"images {images}"] = {
+            "parameters": count, "full_mode_differs": differs,
+            "vision_parameters": sum(name.startswith(("vision_tower.", "mm_projector.")) for name in ref)}
+        if images:
+            results["published"]["sharded"] = sharded_binding(published["sharded"][dp[1]], ref, dp)
 
     results["refusals"] = {}
     for name, directory in plan["refusals"].items():

@@ -271,6 +271,28 @@ def refuse_post_processed(model: nn.Module, bound: Mapping[str, nn.Parameter]) -
             )
 
 
+def module_names(model: nn.Module) -> Callable[[str], str] | None:
+    """How vLLM's loader names, in `model`, the module a checkpoint tensor goes to: the renames of the model's
+    `hf_to_vllm_mapper` (Kimi K3's `language_model.layers.` → `language_model.model.layers.`), which
+    `AutoWeightsLoader` applies before handing each tensor down; None: the model has none (the same names).
+
+    Renames only (vLLM's `get_rename_mapper`, as its LoRA and quantization configs name modules): a mapper's
+    stacked entries (`.q_proj` → `.qkv_proj`) say where a tensor is loaded into a fused parameter, which `bind`
+    finds from the manifest's fused views itself.
+
+    >>> binding = bind(model, shards, model_name=module_names(model))  # doctest: +SKIP
+    """
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return None
+    renames = mapper.get_rename_mapper()
+
+    def model_name(name: str) -> str:
+        return renames._map_name(name) or name
+
+    return model_name
+
+
 def is_quantized(module: nn.Module) -> bool:
     """Whether vLLM rewrites `module`'s weights after loading with a quantized method's step (not an
     unquantized linear's, which sharded mode keeps on the plain path: `keep_plain_linear`)."""

@@ -65,7 +65,7 @@ class ShardprepModelLoader(BaseModelLoader):
             model, directory, layout, compat.keep_plain_linear, self.options.verify, self.options.shard_group_size,
             self.options.allow_cross_node_groups, refuse_post_processed=compat.refuse_post_processed,
             manifest=self._manifest, is_quantized=compat.is_quantized, process_quantized=compat.process_quantized,
-            optional=compat.defaulted_parameters(model))
+            optional=compat.defaulted_parameters(model), model_name=compat.module_names(model))
         self._bound_before_processing = compat.bound_places(model, self.binding.target_parameters)
         # By name: a quantized module processed at load holds new parameter objects under the same names.
         bound = {id(param) for param in self.binding.target_parameters.values()}

@@ -11,7 +11,8 @@ keep the checkpoint's bytes and `process_layers` processes at load, one layer at
 2. run the server's step on each quantized module, in place (`process`);
 3. take what the kernel reads afterwards, every registered parameter of the module (of an unquantized bound
    module: its bound parameters), and lay the layer out as convert lays out a layer (`plan_layer`: 16-byte
-   aligned, padded to a multiple of 16·N);
+   aligned, padded to a multiple of 16·N), each tensor by its storage span (runtime/storage_span.py): a strided
+   one (DeepGEMM's packed scales on SM100) keeps its strides;
 4. free that layer before the next one.
 
 It does this twice. The first pass learns the processed layouts and a digest of each layer's bytes, which the
@@ -22,11 +23,14 @@ into the buffer. So the load holds the final buffer plus one layer (and the serv
 processes that layer), never this rank's bytes twice; the price is processing every layer twice.
 
 A binding over that processed layout then replaces the placeholder one: at run time nothing changes (one gather
-per layer, one layer ahead, two slots, zero-copy views), only the gathered bytes are the processed ones. A
-processed form that hides state outside the module's registered parameters (a weight set to None, a tensor
-kept as a plain attribute, a handle object holding addresses) or that is not contiguous is refused in one line
-naming the module: a gathered view could not feed it. Nothing here imports vLLM: `process` and `is_quantized`
-come from `compat`.
+per layer, one layer ahead, two slots, zero-copy views), only the gathered bytes are the processed ones, and a
+strided tensor's view is rebuilt with its shape, strides and dtype over its gathered span. A processed form that
+hides state outside the module's registered parameters (a weight set to None, a tensor kept as a plain
+attribute, a handle object holding addresses), whose elements overlap, or whose tensors share memory with
+another's, is refused in one line naming the module: a gathered view could not feed it. A reference to an object
+the module held already (DeepGEMM's `deep_gemm_warmup_provider`, the kernel itself, with the QuantFP8 module it
+owns) holds no weight and is accepted. Nothing here imports vLLM: `process` and `is_quantized` come from
+`compat`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from ...manifests.manifest import LayerRecord
 from ...runtime.backends.collective import all_gather_into, broadcast_into
 from ...runtime.binding import Binding, BoundLayer, bind
 from ...runtime.gatherer import LayerGatherer
+from ...runtime.storage_span import row_major, span_bytes, span_elements, stride_problem
 from ...runtime.views import layer_views, placeholder
 
 Process = Callable[[nn.Module], None]
@@ -97,14 +102,14 @@ def needs_processing(binding: Binding, is_quantized: Callable[[nn.Module], bool]
 
 
 def process_layers(binding: Binding, group: Any, is_quantized: Callable[[nn.Module], bool],
-                   process: Process) -> ProcessedLayers:
+                   process: Process, model_name: Callable[[str], str] | None = None) -> ProcessedLayers:
     """Process every bound layer of `binding` and bind the model to this rank's share of the result.
 
     `binding`: the model bound to its unread rank shards through a `PlaceholderGatherer`, the replicated weights
     (the scales among them) already loaded. Collective over the shard group `group` (each rank gathers every layer,
     twice, and the ranks compare digests). `process(module)` runs the server's step on a quantized module and must
     make the server's own later pass skip it (`compat.process_quantized`). The placeholder binding's hooks are
-    removed.
+    removed. `model_name`: as `binding` was bound with it (`bind`).
 
     >>> processed = process_layers(binding, group, compat.is_quantized, compat.process_quantized)  # doctest: +SKIP
     >>> binding = processed.binding  # doctest: +SKIP
@@ -117,10 +122,12 @@ def process_layers(binding: Binding, group: Any, is_quantized: Callable[[nn.Modu
     originals = {id(m): _Original(m, bound) for layer in binding.layers for m, bound in owners[layer.index]
                  if id(m) in quantized}
     layouts, digests = [], []
+    strides: dict[str, tuple[int, ...]] = {}  # the strided tensors (DeepGEMM's packed scales): their views keep them
     for layer in binding.layers:  # pass 1: the layouts and digests, the modules put back after each layer
         tensors = _process_layer(layer, shards, group, owners[layer.index], quantized, names, process)
-        layout = plan_layer(layer.index, [_spec(name, t) for name, t in tensors.items()], n,
-                            entry_alignment=manifest.entry_alignment, chunk_alignment=manifest.chunk_alignment)
+        layout = _plan_spans(layer.index, tensors, n, manifest.entry_alignment, manifest.chunk_alignment)
+        strides.update((name, tuple(t.stride())) for name, t in tensors.items()
+                       if tuple(t.stride()) != row_major(t.shape))
         layouts.append(layout)
         digests.append(_digest(layout, tensors))
         _release(tensors)
@@ -147,7 +154,7 @@ def process_layers(binding: Binding, group: Any, is_quantized: Callable[[nn.Modu
     if shards.device.type == "cuda":
         torch.cuda.empty_cache()
     ours = RankShards(processed, rank, buffer)
-    new = bind(model, ours, LayerGatherer(ours, group=group, backend="auto"))
+    new = bind(model, ours, LayerGatherer(ours, group=group, backend="auto", strides=strides), model_name=model_name)
     modules = tuple(names[id(m)] for layer in binding.layers for m, _ in owners[layer.index] if id(m) in quantized)
     return ProcessedLayers(new, modules, manifest.rank_file_bytes)
 
@@ -172,6 +179,7 @@ def _process_layer(layer: BoundLayer, shards: RankShards, group: Any, owners: li
         else:
             attributes = bound
         tensors.update((f"{name}.{a}", module._parameters[a]) for a in attributes)  # type: ignore[misc]
+    _refuse_shared_memory(tensors)
     return tensors
 
 
@@ -233,14 +241,17 @@ def _plain(value: Any) -> bool:
         _plain(getattr(value, f.name)) for f in dataclasses.fields(value))
 
 
-def _holders(module: nn.Module, depth: int = 2) -> list[tuple[str, Any]]:
+def _holders(module: nn.Module, depth: int = 2, before: _State | None = None) -> list[tuple[str, Any]]:
     """Where a processing step may keep state: the module and the objects it holds (its quant method, a scheme,
-    their kernels), `depth` attributes deep; submodules and tensors are not followed (they are looked at as such)."""
+    their kernels), `depth` attributes deep; submodules and tensors are not followed (they are looked at as such).
+    With `before`, an object held before processing is not followed through a new reference to it (DeepGEMM's
+    `deep_gemm_warmup_provider`): its attributes are judged where it was held."""
     found: list[tuple[str, Any]] = [("", module)]
     frontier: list[tuple[str, Any]] = [("", module)]
     for _ in range(depth):
         frontier = [(f"{where}{k}.", v) for where, obj in frontier for k, v in vars(obj).items()
-                    if hasattr(v, "__dict__") and not _plain(v) and not isinstance(v, (nn.Module, torch.Tensor))]
+                    if hasattr(v, "__dict__") and not _plain(v) and not isinstance(v, (nn.Module, torch.Tensor))
+                    and (before is None or before.held_at(obj, k, v) or id(v) not in before.objects)]
         found += frontier
     return found
 
@@ -249,15 +260,28 @@ _TORCH_FIELDS = frozenset(vars(nn.Module()))
 """The attributes every nn.Module has (its parameter, buffer, module and hook dicts): not a server's state."""
 
 
-def _state(module: nn.Module) -> dict[str, Any]:
-    """Attribute path → id of its value, over the module and the objects it holds; "" → ids of those objects."""
-    holders = _holders(module)
-    state: dict[str, Any] = {f"{where}{k}": id(v) for where, obj in holders for k, v in vars(obj).items()
-             if not (obj is module and k in _TORCH_FIELDS)}
-    return {**state, "": {id(obj) for _, obj in holders}}
+@dataclass(frozen=True)
+class _State:
+    """What a module and the objects it holds referred to before processing, by object and attribute (not by
+    path: processing may reach an object it held already through a new attribute)."""
+
+    values: dict[tuple[int, str], int]
+    """(id of the holder, attribute) → id of the value."""
+    objects: frozenset[int]
+    """The ids of everything held: the holders and their attributes' values (a kernel's QuantFP8 module too)."""
+
+    def held_at(self, obj: Any, key: str, value: Any) -> bool:
+        return self.values.get((id(obj), key)) == id(value)
 
 
-def _refuse_hidden_state(module: nn.Module, name: str, before: dict[str, Any], bound: Iterable[str]) -> None:
+def _state(module: nn.Module) -> _State:
+    holders = [obj for _, obj in _holders(module)]
+    values = {(id(obj), k): id(v) for obj in holders for k, v in vars(obj).items()
+              if not (obj is module and k in _TORCH_FIELDS)}
+    return _State(values, frozenset({*values.values(), *map(id, holders)}))
+
+
+def _refuse_hidden_state(module: nn.Module, name: str, before: _State, bound: Iterable[str]) -> None:
     """Refuse a processed form that a gathered view of the module's registered parameters could not feed."""
     kind = type(getattr(module, "quant_method", module)).__name__
     for attribute in bound:
@@ -267,34 +291,48 @@ def _refuse_hidden_state(module: nn.Module, name: str, before: dict[str, Any], b
                 f"shard_weights: {kind}.process_weights_after_loading left {name}.{attribute} "
                 f"{'None' if p is None else 'empty'} (its weight went into state that is not a registered "
                 "parameter), so a gathered weight cannot feed it; serve this directory in full mode")
-    for where, obj in _holders(module):
+    for where, obj in _holders(module, before=before):
         for key, value in vars(obj).items():
-            label = f"{where}{key}"
-            if (obj is module and key in _TORCH_FIELDS) or before.get(label) == id(value) or _plain(value):
+            if (obj is module and key in _TORCH_FIELDS) or before.held_at(obj, key, value) or _plain(value):
                 continue
-            if id(value) in before[""]:  # a reference to an object it held already (DeepGEMM's warmup provider)
+            if id(value) in before.objects:  # a reference to an object it held already (DeepGEMM's warmup provider)
                 continue
             raise ShardprepError(
-                f"shard_weights: {kind}.process_weights_after_loading keeps {name}.{label} "
+                f"shard_weights: {kind}.process_weights_after_loading keeps {name}.{where}{key} "
                 f"({type(value).__name__}) outside the module's registered parameters, which a gathered weight "
                 "cannot reach; serve this directory in full mode")
     if any(b is not None for b in module._buffers.values()):
         raise ShardprepError(f"shard_weights: {name} has buffers after {kind}.process_weights_after_loading; "
                              "sharded mode binds parameters only, serve this directory in full mode")
     for attribute, p in module._parameters.items():
-        if p is not None and not p.is_contiguous():
+        problem = None if p is None else stride_problem(p.shape, p.stride())
+        if p is not None and problem is not None:
             raise ShardprepError(
-                f"shard_weights: {kind}.process_weights_after_loading left {name}.{attribute} not contiguous "
-                f"(shape {list(p.shape)}, stride {list(p.stride())}); sharded mode packs contiguous tensors "
-                "only, serve this directory in full mode")
+                f"shard_weights: {kind}.process_weights_after_loading left {name}.{attribute} with {problem} "
+                f"(shape {list(p.shape)}, stride {list(p.stride())}), which no span of bytes can be seen as again; "
+                "serve this directory in full mode")
 
 
-def _spec(name: str, t: torch.Tensor) -> TensorSpec:
-    return TensorSpec(name, safetensors_dtype(t.dtype, tensor=name), tuple(t.shape))
+def _refuse_shared_memory(tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse two tensors of a layer whose spans overlap in memory: packed apart, they would stop sharing it."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + span_elements(t.shape, t.stride()) * t.element_size(), name)
+                   for name, t in tensors.items() if t.numel())
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise ShardprepError(
+                f"shard_weights: after processing, {first} and {second} share memory (views of one storage), "
+                "which separate gathered copies would not; serve this directory in full mode")
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
+def _plan_spans(layer: int, tensors: dict[str, torch.Tensor], n: int, entry_alignment: int,
+                chunk_alignment: int) -> LayerLayout:
+    """The layer laid out by its tensors' storage spans, each entry with its tensor's shape (and as many bytes as
+    its span: a strided tensor's gaps included, a contiguous one's exactly its bytes)."""
+    specs = [TensorSpec(name, safetensors_dtype(t.dtype, tensor=name), (span_elements(t.shape, t.stride()),))
+             for name, t in tensors.items()]
+    layout = plan_layer(layer, specs, n, entry_alignment=entry_alignment, chunk_alignment=chunk_alignment)
+    entries = tuple(dataclasses.replace(e, shape=tuple(tensors[e.name].shape)) for e in layout.entries)
+    return dataclasses.replace(layout, entries=entries)
 
 
 def _digest(layout: LayerLayout, tensors: dict[str, torch.Tensor]) -> str:
@@ -302,7 +340,7 @@ def _digest(layout: LayerLayout, tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for entry in layout.entries:
         digest.update(f"{entry.name}:{entry.dtype}:{entry.shape}:{entry.offset};".encode())
-        digest.update(_bytes(tensors[entry.name]).cpu().numpy().data)
+        digest.update(span_bytes(tensors[entry.name]).cpu().numpy().data)
     return digest.hexdigest()
 
 
@@ -312,7 +350,7 @@ def _copy_own_chunk(layout: LayerLayout, tensors: dict[str, torch.Tensor], rank:
     for entry in layout.entries:
         start, end = max(lo, entry.offset), min(hi, entry.offset + entry.nbytes)
         if start < end:
-            chunk[start - lo:end - lo] = _bytes(tensors[entry.name])[start - entry.offset:end - entry.offset]
+            chunk[start - lo:end - lo] = span_bytes(tensors[entry.name])[start - entry.offset:end - entry.offset]
 
 
 def _release(tensors: dict[str, torch.Tensor]) -> None:

@@ -82,6 +82,7 @@ def load_sharded(
     is_quantized: Callable[[nn.Module], bool] = lambda module: False,
     process_quantized: Callable[[nn.Module], None] | None = None,
     optional: Collection[str] = (),
+    model_name: Callable[[str], str] | None = None,
 ) -> tuple[Binding, ProcessedLayers | None]:
     """Bind `model`'s targets to this DP rank's shards and load its other weights; returns the binding.
 
@@ -93,7 +94,8 @@ def load_sharded(
     (processed_layers.py). Returns the binding, and what processing did (None: nothing was quantized).
     `group_size` and `allow_cross_node_groups` are the user's `shard_group_size` and
     `allow_cross_node_groups` options; `manifest`, DIR's if already read; `optional`, parameters the server
-    gives defaults, which DIR need not hold (`compat.defaulted_parameters`).
+    gives defaults, which DIR need not hold (`compat.defaulted_parameters`); `model_name`, the model's name for a
+    checkpoint tensor name, as the server's loader maps it (`compat.module_names`; None: the same names).
 
     >>> binding, _ = load_sharded(model, "out/", compat.current_layout(), compat.keep_plain_linear)  # doctest: +SKIP
     """
@@ -111,7 +113,7 @@ def load_sharded(
                        verify=verify, manifest=manifest)
     # Bound first to placeholders (no memory), to check the targets before anything is read; the gatherer comes
     # once the replicated weights are in, over the rank file or over the processed layers.
-    binding = bind(model, shards, PlaceholderGatherer(shards))  # type: ignore[arg-type]
+    binding = bind(model, shards, PlaceholderGatherer(shards), model_name=model_name)  # type: ignore[arg-type]
     if refuse_post_processed is not None:
         refuse_post_processed(model, binding.target_parameters)
     bound = {id(p) for p in binding.target_parameters.values()}
@@ -124,10 +126,11 @@ def load_sharded(
     check_all_loaded(model, loaded, directory, also={*parameter_names(model, bound), *optional})
     if not needs_processing(binding, is_quantized):
         binding.remove()
-        return bind(model, shards, LayerGatherer(shards, group=group.process_group, backend="auto")), None
+        return bind(model, shards, LayerGatherer(shards, group=group.process_group, backend="auto"),
+                    model_name=model_name), None
     if process_quantized is None:
         raise ShardprepError(f"{directory}: a bound module is quantized, and no step to process it was given")
-    processed = process_layers(binding, group.process_group, is_quantized, process_quantized)
+    processed = process_layers(binding, group.process_group, is_quantized, process_quantized, model_name)
     return processed.binding, processed
 
 
