@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import IntegrityError, ManifestError, ShardprepError
-from ..manifests.accounting import account, zero_copy_applies
+from ..manifests.accounting import account, draft_account, zero_copy_applies
 from ..manifests.capacity import capacity
 from ..manifests.kv_cache import kv_cache_shape
 from ..manifests.layout import alignment_padding_bytes, used_bytes
@@ -51,6 +51,7 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
     cap = capacity(memory, kv, replicated_part_bytes=memory.non_target_bytes, context_len=context_len,
                    hbm_bytes=hbm_bytes, rank_file_bytes=m.rank_file_bytes)
     kinds = [bytes_by_kind({e.name: e.nbytes for e in r.entries}) for r in m.layers]
+    drafted = set(m.draft.layers) if m.draft else set()
     return {
         "schema": SCHEMA,
         "directory": str(root),
@@ -77,12 +78,15 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
                 "chunk_bytes": r.chunk_bytes,
                 "file_offset": r.file_offset,
                 "kinds": layer_kinds,
+                "model": "draft" if r.layer in drafted else "target",
             }
             for r, layer_kinds in zip(m.layers, kinds)
         ],
         # The targets' bytes by kind (target_kinds.py), without T's alignment gaps and pad rows.
         "kinds": kind_totals(kinds),
         "totals": memory.to_dict(),
+        # The draft's layers apart: what they add to the target's (they gather into the same slots).
+        "draft": draft_account(m, num_slots, aliased_own_chunk=aliased),
         "kv_cache": kv.to_dict() if kv else None,
         "capacity": cap.to_dict(),
         "groups": fit.to_dict(),
