@@ -175,3 +175,39 @@ def test_manifest_refuses_a_draft_layer_before_a_target_layer(mtp_out):
     data["draft"]["layers"] = [7]
     with pytest.raises(ManifestError, match="draft layer 7 is not a layer of the manifest"):
         Manifest.from_dict(data)
+
+
+def test_a_draft_layer_is_gathered_once_per_target_forward_and_held_through_every_draft_pass(
+        mtp_src, tmp_path, world_of_one):
+    import transformers
+    from checkpoints import read_state_dict
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    from shardprep.loader.rank_shards import open_rank
+    from shardprep.runtime.binding import bind, bind_draft
+
+    out = tmp_path / "n1"
+    convert(mtp_src, out, 1, preset="deepseek-v3")
+    config = transformers.AutoConfig.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    binding = bind(model, open_rank(out, 0, draft=True))  # the gatherer's layers: the target's, then the draft's
+    assert [layer.index for layer in binding.layers] == [1, 2] and binding.gatherer.layers == (1, 2, L)
+    block = DeepseekV3DecoderLayer(config, layer_idx=L).to(torch.bfloat16).eval()  # the MTP layer's decoder block
+    (draft,) = bind_draft(binding, {L: block})
+    source = read_state_dict(mtp_src)
+    name = f"model.layers.{L}.self_attn.o_proj.weight"
+    ids = torch.tensor([[5, 6, 7]])
+    hidden = torch.randn(1, 3, config.hidden_size, dtype=torch.bfloat16)
+    rotary = model.model.rotary_emb(hidden, torch.arange(3)[None])
+    gatherer = binding.gatherer
+    with torch.inference_mode():
+        for step in range(2):
+            model(ids)  # the target's forward; its last layer dispatched the draft's gather
+            assert gatherer.gathers_issued == 3 * (step + 1)
+            for _ in range(3):  # three draft passes on the weights of one gather
+                block(hidden, position_embeddings=rotary, attention_mask=None)
+                assert torch.equal(block.self_attn.o_proj.weight, source[name])
+            assert gatherer.gathers_issued == 3 * (step + 1)
+        binding.idle_step()  # an idle rank: the same gathers, the draft's included
+        assert gatherer.gathers_issued == 9
+    assert binding.draft_parameters[name] is block.self_attn.o_proj.weight and draft.index == L

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import IntegrityError, ManifestError
 from .checksums import digest, joined_digest
-from .draft_layers import DraftLayers, draft_problems, parse_draft
+from .draft_layers import DraftLayers, draft_problems, parse_draft, serving_draft
 from .dtypes import tensor_nbytes
 from .exact_read import pread_exact
 from .layout import (
@@ -183,6 +183,15 @@ class Manifest:
         if self.draft is None:
             return self
         return replace(self, layers=self.target_records, draft=None)
+
+    def with_serving_draft(self, config: dict[str, Any] | None, where: str = "DIR") -> Manifest:
+        """This manifest with its draft as a server must treat it (`draft_layers.serving_draft`): its record,
+        checked against config.json, or for a manifest written before drafts were recorded, the config's MTP
+        layers it holds.
+
+        >>> draft = load_manifest("out/").with_serving_draft(config).draft  # doctest: +SKIP
+        """
+        return replace(self, draft=serving_draft(self.draft, [r.layer for r in self.layers], config, where))
 
     def layer(self, index: int) -> LayerRecord:
         for r in self.layers:

@@ -12,14 +12,12 @@ import contextlib
 import json
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import RuntimeShardError
-from ..manifests.draft_layers import serving_draft
 from ..manifests.dtypes import torch_dtype
 from ..manifests.manifest import MANIFEST_NAME, load_manifest
 from .binding import Binding, bind
@@ -73,8 +71,8 @@ def build_model(
     directory = Path(directory)
     config_dict = _read_config(directory)
     manifest = load_manifest(directory) if shards is None else shards.manifest
-    draft = serving_draft(manifest.draft, [r.layer for r in manifest.layers], config_dict, str(directory))
-    manifest = replace(manifest, draft=draft)
+    manifest = manifest.with_serving_draft(config_dict, str(directory))
+    draft = manifest.draft
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed and group is None:
         from .shard_groups import shard_group
