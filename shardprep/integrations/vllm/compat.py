@@ -112,14 +112,6 @@ def serves_mtp_draft(vllm_config: Any) -> bool:
     return spec is not None and getattr(spec, "method", None) in MTP_METHODS
 
 
-def current_layout_is_eager(vllm_config: Any) -> bool:
-    """Whether vLLM runs the models eagerly: no compilation, no CUDA graphs."""
-    from vllm.config import CompilationMode, CUDAGraphMode
-
-    compilation = vllm_config.compilation_config
-    return bool(compilation.mode == CompilationMode.NONE and compilation.cudagraph_mode == CUDAGraphMode.NONE)
-
-
 def is_draft_model(model_config: Any) -> bool:
     """Whether vLLM is building the draft model (its `runner` is "draft"), not the target."""
     return getattr(model_config, "runner_type", None) == "draft"

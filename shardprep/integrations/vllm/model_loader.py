@@ -57,10 +57,6 @@ class ShardprepModelLoader(BaseModelLoader):
         self._manifest = serving_manifest(model_config.model)
         self._draft_model = compat.is_draft_model(model_config)
         self._serves_draft = compat.serves_mtp_draft(vllm_config)
-        if self._serves_draft and not self._draft_model and self._manifest.draft is not None:
-            if not compat.current_layout_is_eager(vllm_config):
-                raise ShardprepError(f"{model_config.model}: a sharded MTP draft runs eager only for now; set "
-                                     "enforce_eager=True, or serve without speculative_config")
         with compat.target_weights_without_storage(bound_later(self._manifest, self._draft_model)) as made:
             model = super().create_model(vllm_config, model_config, prefix)
         self._without_storage = made
