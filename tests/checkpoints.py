@@ -18,7 +18,10 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj",
-         "deepseek-v3-mla-blocks", "deepseek-v3-mla-blocks-8-heads", "kimi-linear", "bert", "kimi-k3")
+         "deepseek-v3-mla-blocks", "deepseek-v3-mla-blocks-8-heads", "kimi-linear", "bert", "kimi-k3",
+         "deepseek-v3-mtp", "deepseek-v3-mla-mtp", "deepseek-v3-mla-blocks-mtp")
+MTP_SUFFIX = "-mtp"
+"""`ARCH-mtp`: the DeepSeek-V3 `ARCH` with one MTP layer, laid out as DeepSeek publishes it (make_mtp_checkpoint)."""
 
 # The MLA dimensions of DeepSeek-V3 and Kimi-K2 that vLLM's CPU MLA kernel accepts (its latent head is
 # kv_lora_rank + qk_rope_head_dim = 576 wide, nothing else); q_lora_rank is the real models' 1536 shrunk.
@@ -130,6 +133,9 @@ def make_checkpoint(
     import transformers as tf
 
     directory = Path(directory)
+    if arch.endswith(MTP_SUFFIX):
+        return make_mtp_checkpoint(directory, arch[:-len(MTP_SUFFIX)], layers=layers, hidden=hidden, vocab=vocab,
+                                   sharded=sharded, dtype=dtype, seed=seed, tokenizer=tokenizer)
     if arch == "kimi-k3":
         return make_kimi_k3_checkpoint(directory, layers=layers, vocab=vocab, dtype=dtype, seed=seed,
                                        tokenizer=tokenizer)
@@ -149,6 +155,60 @@ def make_checkpoint(
     model.save_pretrained(directory, max_shard_size="40KB" if sharded else "10GB")
     if tokenizer:
         save_tiny_tokenizer(directory, vocab)
+    return directory
+
+
+MTP_ONLY_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                    "shared_head.head.weight", "embed_tokens.weight")
+"""What an MTP layer holds besides a decoder layer's tensors, under `model.layers.{L}.` (DeepSeek-V3's layer 61)."""
+
+
+def make_mtp_checkpoint(directory: str | Path, arch: str = "deepseek-v3-mla", *, layers: int = 3, hidden: int = 64,
+                        vocab: int = 128, sharded: bool = False, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                        tokenizer: bool = True) -> Path:
+    """A DeepSeek-V3 checkpoint with one Multi-Token-Prediction layer, laid out as DeepSeek publishes V3/R1.
+
+    How it is built (rebuild it with `python tests/checkpoints.py DIR --arch deepseek-v3-mla-mtp`):
+    1. transformers writes the DeepSeek-V3 `arch` with `layers + 1` decoder layers (save_pretrained), so layer
+       L = `layers` is a full MLA + MoE decoder layer as transformers names it;
+    2. config.json is changed to `num_hidden_layers: L` and `num_nextn_predict_layers: 1`: layer L is then the
+       MTP layer, which transformers does not build (DeepseekV3 ignores it when loading);
+    3. layer L gets the MTP layer's own tensors (MTP_ONLY_TENSORS: `enorm`, `hnorm`, `eh_proj` [hidden,
+       2·hidden], `shared_head.norm`, `shared_head.head` [vocab, hidden], `embed_tokens` [vocab, hidden]),
+       random, in the checkpoint's dtype, written with safetensors into a file of their own,
+       `model-mtp.safetensors`, listed in the index (DeepSeek ships its MTP layer in its last shard files).
+    vLLM's DeepSeekMTP loads exactly these names (`_rewrite_spec_layer_name`).
+    """
+    from safetensors.torch import save_file
+
+    directory = make_checkpoint(directory, arch, layers=layers + 1, hidden=hidden, vocab=vocab, sharded=sharded,
+                                dtype=dtype, seed=seed, tokenizer=tokenizer)
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    h, v = config["hidden_size"], config["vocab_size"]
+    shapes = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+              "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h), "embed_tokens.weight": (v, h)}
+    generator = torch.Generator().manual_seed(seed + 1)
+    extra = {f"model.layers.{layers}.{name}": (torch.randn(shape, generator=generator) * 0.02
+                                               + (1.0 if name.endswith("norm.weight") else 0.0)).to(dtype)
+             for name, shape in shapes.items()}
+    save_file(extra, directory / "model-mtp.safetensors", metadata={"format": "pt"})
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+    else:  # one file: an index now names it and the MTP file
+        from safetensors import safe_open
+
+        with safe_open(directory / "model.safetensors", "pt") as f:
+            names = list(f.keys())
+        (directory / "model.safetensors").rename(directory / "model-00001-of-00001.safetensors")
+        index = {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}
+    index["weight_map"].update({name: "model-mtp.safetensors" for name in extra})
+    index["metadata"]["total_size"] = sum(t.numel() * t.element_size() for t in read_state_dict_files(
+        directory, sorted(set(index["weight_map"].values()))).values())
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
     return directory
 
 
@@ -289,12 +349,17 @@ def save_tiny_tokenizer(directory: str | Path, vocab: int = 128) -> None:
 
 def read_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF safetensors directory, through the safetensors library (not shardprep)."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
         "model.safetensors"]
+    return read_state_dict_files(directory, files)
+
+
+def read_state_dict_files(directory: Path, files: list[str]) -> dict[str, torch.Tensor]:
+    """All tensors of these safetensors files of `directory`, through the safetensors library."""
+    from safetensors.torch import load_file
+
     out: dict[str, torch.Tensor] = {}
     for f in files:
         out.update(load_file(directory / f))

@@ -58,6 +58,23 @@ def kind_totals_line(kinds: dict[str, dict[str, int]]) -> str:
         for kind, k in kinds.items())
 
 
+def draft_line(draft: dict[str, Any]) -> str:
+    """What the draft's layers cost and save apart from the target's (accounting.draft_account), in one line.
+
+    >>> print(draft_line({"kind": "mtp", "layers": [3], "sharded_bytes": 8192, "resident_bytes": 2048,
+    ...                   "saved_bytes": 6144, "target_saved_bytes": 1024}))  # doctest: +NORMALIZE_WHITESPACE
+    draft (MTP layer 3): Σ|T| 8.00 KiB, per rank resident 2.00 KiB more, saved 6.00 KiB on top of the
+    target's 1.00 KiB; the target alone: convert --layers without 3, or serve without a draft (its layers are
+    left unread)
+    """
+    layers = ", ".join(map(str, draft["layers"]))
+    return (f"draft ({draft['kind'].upper()} layer{'s' if len(draft['layers']) > 1 else ''} {layers}): "
+            f"Σ|T| {human_bytes(draft['sharded_bytes'])}, per rank resident {human_bytes(draft['resident_bytes'])} "
+            f"more, saved {human_bytes(draft['saved_bytes'])} on top of the target's "
+            f"{human_bytes(draft['target_saved_bytes'])}; the target alone: convert --layers without {layers}, or "
+            "serve without a draft (its layers are left unread)")
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 

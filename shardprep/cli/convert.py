@@ -10,7 +10,7 @@ import typer
 from ..prep.convert import ConvertSummary, CopyMode
 from ..prep.requant_jobs import RequantMode, RequantRecipe, RequantScope, ScaleFormat
 from ._errors import cli_errors, stop_signals_interrupt
-from ._format import ChunkAlignment, byte_progress, human_bytes, print_json, rank_files_phrase
+from ._format import ChunkAlignment, byte_progress, draft_line, human_bytes, print_json, rank_files_phrase
 
 
 def convert_command(
@@ -95,9 +95,12 @@ def _requant_line(summary: ConvertSummary) -> str:
 
 
 def _print_dry_run(plan: dict) -> None:
+    draft = plan["draft"]
+    drafted = {str(i) for i in draft["layers"]} if draft else set()
     for layer, names in plan["layers"].items():
         fused = plan["fused_views"].get(layer, [])
-        typer.echo(f"layer {layer}: {len(names)} targets" + (f", fused {', '.join(fused)}" if fused else ""))
+        whose = f" (draft: {draft['kind'].upper()} layer, not the target model's)" if layer in drafted else ""
+        typer.echo(f"layer {layer}{whose}: {len(names)} targets" + (f", fused {', '.join(fused)}" if fused else ""))
         for name in names:
             typer.echo(f"    {name}")
     n = plan["world_size"]
@@ -108,3 +111,5 @@ def _print_dry_run(plan: dict) -> None:
         f"{human_bytes(memory['resident_bytes'])} (R/N + slots) instead of {human_bytes(plan['sharded_bytes'])}, "
         f"saved {human_bytes(memory['saved_bytes'])}; {plan['requantized_weights']} block-FP8 weights to requantize"
     )
+    if draft:
+        typer.echo(draft_line(draft))

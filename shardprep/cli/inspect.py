@@ -19,6 +19,7 @@ from ._format import (
     NumSlots,
     Tp,
     capacity_rows,
+    draft_line,
     human_bytes,
     kind_totals_line,
     kinds_text,
@@ -67,7 +68,8 @@ def inspect_command(
     for col in ("layer", "entries", "fused views", "|T|", "C = |T|/N", "file offset", "targets by kind"):
         table.add_column(col, justify="right")
     for r in info["layers"]:
-        table.add_row(str(r["layer"]), str(r["entries"]), str(r["views"]), human_bytes(r["total_bytes"]),
+        layer = str(r["layer"]) + (" (draft)" if r["model"] == "draft" else "")
+        table.add_row(layer, str(r["entries"]), str(r["views"]), human_bytes(r["total_bytes"]),
                       human_bytes(r["chunk_bytes"]), str(r["file_offset"]), kinds_text(r["kinds"]))
     totals = Table(show_header=False, title="per rank")
     totals.add_column(justify="left")
@@ -79,6 +81,8 @@ def inspect_command(
     if info["kinds"]:
         console.print(kind_totals_line(info["kinds"]))
     console.print(totals)
+    if info["draft"]:
+        console.print(draft_line(info["draft"]), soft_wrap=True)
     console.print(f"slots: {info['slot_model']}")
     console.print(f"rank files: {human_bytes(info['rank_file_bytes'])} each, chunk alignment "
                   f"{human_bytes(info['chunk_alignment'])}, {human_bytes(info['alignment_padding_bytes'])} of "

@@ -81,16 +81,22 @@ class RankShards:
         self._buffer = self._checked(buffer)
 
     @classmethod
-    def _of_unread(cls, manifest: Manifest, rank: int, directory: Path, file: _UnreadFile) -> RankShards:
-        """Shards whose bytes are still in `file`, read on first use; the descriptor is closed then, or with them."""
+    def _of_unread(cls, manifest: Manifest, rank: int, directory: Path, file: _UnreadFile,
+                   whole: Manifest | None = None) -> RankShards:
+        """Shards whose bytes are still in `file`, read on first use; the descriptor is closed then, or with them.
+
+        `whole`: DIR's manifest when `manifest` is its target part (`without_draft`), for the replicated part.
+        """
         shards = cls.__new__(cls)
         shards._setup(manifest, rank, directory, file.device)
+        shards._whole = whole or manifest
         shards._unread = file
         shards._close = weakref.finalize(shards, os.close, file.fd)
         return shards
 
     def _setup(self, manifest: Manifest, rank: int, directory: str | Path | None, device: torch.device) -> None:
         self.manifest = manifest
+        self._whole = manifest  # DIR's whole manifest (the draft's layers included), for the replicated part
         self.rank = rank
         self.world_size = manifest.world_size
         self.directory = Path(directory) if directory is not None else None
@@ -191,7 +197,7 @@ class RankShards:
         """
         if self.directory is None:
             raise RuntimeShardError("these shards were not opened from a directory; use open_rank(DIR, rank)")
-        return load_replicated(self.directory, self.manifest, device, verify)
+        return load_replicated(self.directory, self._whole, device, verify)
 
     def _checked(self, buffer: torch.Tensor) -> torch.Tensor:
         size = self.manifest.rank_file_bytes
@@ -300,6 +306,7 @@ def open_rank(
     staging_bytes: int = STAGING_BYTES,
     allocate: Allocate | None = None,
     manifest: Manifest | None = None,
+    draft: bool = True,
 ) -> RankShards:
     """Open `rank`'s shard file of an output directory of `shardprep convert`: check it now, read it on first use.
 
@@ -311,7 +318,9 @@ def open_rank(
     any other first use of `buffer`/`chunk` into a `torch.empty` on `device`. `allocate(nbytes)`
     chooses the memory now (for backends that need registered or shareable memory): the file is read
     into it before open_rank returns. `manifest`: DIR's, when the caller has already loaded it (it is
-    read again otherwise).
+    read again otherwise). `draft=False` serves the target model alone: the draft's layers (`manifest.draft`,
+    which come last in the file) are checked with the rest (size, header, and with `verify` their checksums)
+    but never read into the buffer, and the shards' manifest is `manifest.without_draft()`.
 
     >>> shards = open_rank("out/", rank=dist.get_rank(), world_size=dist.get_world_size(),
     ...                    device=f"cuda:{torch.cuda.current_device()}")  # doctest: +SKIP
@@ -344,7 +353,8 @@ def open_rank(
     except BaseException:
         os.close(fd)
         raise
-    shards = RankShards._of_unread(manifest, rank, directory, _UnreadFile(fd, file, device, staging_bytes))
+    served = manifest if draft else manifest.without_draft()
+    shards = RankShards._of_unread(served, rank, directory, _UnreadFile(fd, file, device, staging_bytes), manifest)
     if allocate is not None:
         shards.rehome(allocate)
     return shards

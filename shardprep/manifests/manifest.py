@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import IntegrityError, ManifestError
 from .checksums import digest, joined_digest
+from .draft_layers import DraftLayers, draft_problems, parse_draft, serving_draft
 from .dtypes import tensor_nbytes
 from .exact_read import pread_exact
 from .layout import (
@@ -128,6 +129,9 @@ class Manifest:
     requant_options: dict[str, Any] | None = None
     resharded_from: dict[str, Any] | None = None
     version: int = VERSION
+    draft: DraftLayers | None = None
+    """The layers that belong to a draft model (an MTP layer inside the checkpoint), None: every layer is the
+    target model's. Written only when there is one, so every manifest without a draft keeps its bytes."""
 
     @property
     def max_total_bytes(self) -> int:
@@ -154,6 +158,40 @@ class Manifest:
         0 for version 1 files, which have no header.
         """
         return header_json_bytes(self.rank_header)
+
+    @property
+    def target_records(self) -> tuple[LayerRecord, ...]:
+        """The target model's layers: every layer but the draft's."""
+        drafted = set(self.draft.layers) if self.draft else set()
+        return tuple(r for r in self.layers if r.layer not in drafted)
+
+    @property
+    def draft_records(self) -> tuple[LayerRecord, ...]:
+        """The draft model's layers (none without a draft); they come after every target layer in the rank files."""
+        drafted = set(self.draft.layers) if self.draft else set()
+        return tuple(r for r in self.layers if r.layer in drafted)
+
+    def without_draft(self) -> Manifest:
+        """This manifest as a reader of the target alone sees it: the target's layers, no draft.
+
+        Its rank files are a prefix of the real ones (the draft's chunks come last), so `rank_file_bytes` is the
+        bytes that reader maps; never write it (its header would not be the files').
+
+        >>> Manifest(1, ("shards/r.bin",), (), version=1).without_draft().draft is None
+        True
+        """
+        if self.draft is None:
+            return self
+        return replace(self, layers=self.target_records, draft=None)
+
+    def with_serving_draft(self, config: dict[str, Any] | None, where: str = "DIR") -> Manifest:
+        """This manifest with its draft as a server must treat it (`draft_layers.serving_draft`): its record,
+        checked against config.json, or for a manifest written before drafts were recorded, the config's MTP
+        layers it holds.
+
+        >>> draft = load_manifest("out/").with_serving_draft(config).draft  # doctest: +SKIP
+        """
+        return replace(self, draft=serving_draft(self.draft, [r.layer for r in self.layers], config, where))
 
     def layer(self, index: int) -> LayerRecord:
         for r in self.layers:
@@ -197,6 +235,8 @@ class Manifest:
             data["requant_options"] = self.requant_options
             if self.resharded_from is not None:  # only outputs of `reshard` carry it
                 data["resharded_from"] = self.resharded_from
+            if self.draft is not None:  # only manifests with a draft's layers carry it
+                data["draft"] = self.draft.record()
         data["created_by"] = self.created_by
         if self.version >= 2:
             data[SELF_DIGEST_KEY] = UNSEALED
@@ -261,6 +301,7 @@ class Manifest:
             requant_options=data.get("requant_options"),
             resharded_from=data.get("resharded_from"),
             version=version,
+            draft=parse_draft(data.get("draft")),
         )
         problems = check_invariants(m) if check else []
         if problems:
@@ -578,6 +619,9 @@ def check_invariants(m: Manifest) -> list[Problem]:
             bad(f"{tag}: {len(r.checksums)} checksums for {n} ranks (every chunk needs one)", "checksum_count",
                 layer=r.layer)
         _check_entries(r, m.entry_alignment, seen_names, bad)
+    if m.draft is not None:
+        for problem in draft_problems(m.draft, [r.layer for r in m.layers]):
+            bad(problem, "draft_layers")
     if m.version >= 2 and not problems:
         _check_v2_offsets(m, bad)
     return problems

@@ -154,6 +154,32 @@ def account(manifest: Manifest, non_target_bytes: int = 0, num_slots: int = 2, *
                           non_target_bytes=non_target_bytes)
 
 
+def draft_account(manifest: Manifest, num_slots: int = 2, *, aliased_own_chunk: bool = False) -> dict[str, Any] | None:
+    """What sharding the draft's layers adds to sharding the target's, per rank; None without a draft.
+
+    The draft's layers gather into the target's slots, so they add their chunks and, only where a draft layer is
+    larger than every target layer, slot bytes: `saved_bytes` is the draft's R − R/N less that.
+
+    >>> from shardprep.manifests import plan_layer, TensorSpec, LayerRecord, Manifest
+    >>> from shardprep.manifests.draft_layers import DraftLayers
+    >>> lays = [plan_layer(i, [TensorSpec(f"layers.{i}.w", "BF16", (64, 64))], world_size=4) for i in (1, 2, 3)]
+    >>> m = Manifest(4, tuple(f"shards/{i}.bin" for i in range(4)), tuple(LayerRecord.from_layout(x, 0) for x in lays),
+    ...              draft=DraftLayers("mtp", (3,)))
+    >>> d = draft_account(m)
+    >>> d["sharded_bytes"], d["resident_bytes"], d["saved_bytes"]
+    (8192, 2048, 6144)
+    """
+    if manifest.draft is None:
+        return None
+    whole = account(manifest, num_slots=num_slots, aliased_own_chunk=aliased_own_chunk)
+    target = account(manifest.without_draft(), num_slots=num_slots, aliased_own_chunk=aliased_own_chunk)
+    return {"kind": manifest.draft.kind, "layers": list(manifest.draft.layers),
+            "sharded_bytes": whole.sharded_bytes - target.sharded_bytes,
+            "resident_bytes": whole.resident_bytes - target.resident_bytes,
+            "saved_bytes": whole.saved_bytes - target.saved_bytes,
+            "target_saved_bytes": target.saved_bytes}
+
+
 def unaligned_total_bytes(entries: Sequence[Entry], world_size: int) -> int:
     """|T| of a layer's entries at `world_size` as the 16-byte rule lays it out, before any chunk alignment.
 

@@ -13,7 +13,7 @@ from ..manifests.replicated import MAX_INDEX_BYTES, read_replicated_index
 from ..manifests.safetensors_header import read_safetensors_header
 from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem
 from ..manifests.strict_json import is_int, read_json_file
-from ..planning.accounting import account, zero_copy_applies
+from ..planning.accounting import account, draft_account, zero_copy_applies
 from ..planning.capacity import capacity
 from ..planning.kv_cache import kv_cache_shape
 from ..planning.parallel_layout import check_expert_parallel, check_tensor_parallel, expert_shard
@@ -60,6 +60,7 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
                    context_len=context_len, hbm_bytes=hbm_bytes, rank_file_bytes=m.rank_file_bytes,
                    expert_shard_bytes=experts.shard_bytes)
     kinds = [bytes_by_kind({e.name: e.nbytes for e in r.entries}) for r in m.layers]
+    drafted = set(m.draft.layers) if m.draft else set()
     return {
         "schema": SCHEMA,
         "directory": str(root),
@@ -86,12 +87,15 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
                 "chunk_bytes": r.chunk_bytes,
                 "file_offset": r.file_offset,
                 "kinds": layer_kinds,
+                "model": "draft" if r.layer in drafted else "target",
             }
             for r, layer_kinds in zip(m.layers, kinds)
         ],
         # The targets' bytes by kind (target_kinds.py), without T's alignment gaps and pad rows.
         "kinds": kind_totals(kinds),
         "totals": memory.to_dict(),
+        # The draft's layers apart: what they add to the target's (they gather into the same slots).
+        "draft": draft_account(m, num_slots, aliased_own_chunk=aliased),
         "kv_cache": kv.to_dict() if kv else None,
         "capacity": cap.to_dict(),
         "groups": fit.to_dict(),

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ProfileError, ShardprepError
+from ..manifests.draft_layers import mtp_layers
 from ..manifests.layout import align_up
 from ..manifests.manifest import MANIFEST_NAME, load_manifest
 from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem, largest_node_local_group
@@ -231,7 +232,14 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     if profile is not None and profile.compute_mode == "eager" and profile.device != "cpu":
         notes.append(f"the profile timed eager forwards ({profile.compute_mode_note or 'an older profile'}), not "
                      "the CUDA-graph replays a deployment runs: its compute times can be the host's")
-    candidates = tuple(sorted(model.sizes))
+    # An MTP layer is a draft model's, run apart from the target's forward: never a silent candidate (below).
+    draft = tuple(i for i in mtp_layers(model.config) if i in model.sizes)
+    candidates = tuple(sorted(i for i in model.sizes if i not in draft))
+    if draft:
+        notes.append(_draft_note(draft, model.sizes))
+    if not candidates:
+        raise ShardprepError(f"{request.source}: the layers with targets are only the MTP draft's ({draft[0]}...); "
+                             "plan weighs the target model's layers: widen --layers")
     model_layers = _model_layers(model, profile, candidates)
     chunks = {i: align_up(t // n, alignment) for i, t in model.sizes.items()}
     recv = {i: (n - 1) * c for i, c in chunks.items()}
@@ -277,7 +285,7 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     # Under expert parallelism the routed experts leave the replicated part: each GPU holds its 1/E of them.
     expert_bytes = experts.shard_bytes if request.ep > 1 else 0
     replicated_part = (model.replicated_bytes - (experts.routed_bytes if request.ep > 1 else 0)
-                       + sum(model.sizes[i] for i in candidates if i not in shown.layers))
+                       + sum(model.sizes[i] for i in (*candidates, *draft) if i not in shown.layers))
     cap = capacity(shown.memory, kv, replicated_part_bytes=replicated_part, context_len=request.context_len,
                    hbm_bytes=request.hbm_bytes, expert_shard_bytes=expert_bytes)
     least = least_overhead(candidates, memory, predict) if predict is not None else None
@@ -303,10 +311,18 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
         source=request.source, kind=model.kind, ranks=n, model_layers=model_layers, candidates=candidates,
         tokens=tokens, rows=rows, slot_model=slot_model, every_layer=every, chosen=chosen, capacity=cap,
         verdict=verdict, verdict_line=line, groups=fit, experts=experts, kv=kv, pays_from_tokens=pays_from,
-        convert_layers=format_layers(pick.layers, num_layers=model_layers) if pick else None,
+        # Never open-ended past the target's last layer when a draft's layers follow it: `1-` would take them in.
+        convert_layers=format_layers(pick.layers, num_layers=None if draft else model_layers) if pick else None,
         gather_source=gather_source, backend=backend, notes=notes, schedules=schedules,
         schedule_layers=shown.layers, num_slots=request.num_slots, fetched_bytes=model.fetched_bytes,
     )
+
+
+def _draft_note(draft: tuple[int, ...], sizes: dict[int, int]) -> str:
+    layers = ", ".join(map(str, draft))
+    return (f"layer{'s' if len(draft) > 1 else ''} {layers}: the MTP draft's (config.json's num_nextn_predict_layers, "
+            f"|T| {human_bytes(sum(sizes[i] for i in draft))}), not planned with the target's layers and left out of "
+            f"--layers; add {layers} to shard the draft too (its gathers hide behind the target's last layer)")
 
 
 def _shard_groups(request: PlanRequest) -> GroupFit:

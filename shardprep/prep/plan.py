@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LayoutError, SourceError
+from ..manifests.draft_layers import DraftLayers, draft_of_config
 from ..manifests.layout import (
     NO_CHUNK_ALIGNMENT,
     LayerLayout,
@@ -120,6 +121,9 @@ class ConvertPlan:
     replicated: tuple[ReplicatedFile, ...]
     other_files: tuple[str, ...] = field(default=())
     requant_options: RequantOptions = field(default_factory=RequantOptions)
+    draft: DraftLayers | None = None
+    """The sharded layers that are a draft model's: the checkpoint's MTP layers (config.json's
+    `num_nextn_predict_layers` after `num_hidden_layers`) that the selection shards."""
 
     @property
     def layouts(self) -> tuple[LayerLayout, ...]:
@@ -199,12 +203,14 @@ class ConvertPlan:
             file_alignment=file_alignment_for(self.chunk_alignment),
             selection=self.selection.record(),
             requant_options=self.requant_options.record(),
+            draft=self.draft,
         )
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for `convert --dry-run`: the selection per layer, byte totals, per-rank memory."""
-        from ..planning.accounting import account
+        from ..planning.accounting import account, draft_account
 
+        manifest = self.skeleton_manifest()
         return {
             "world_size": self.world_size,
             "layers": {str(lay.layer): [e.name for e in lay.entries] for lay in self.layouts},
@@ -221,7 +227,8 @@ class ConvertPlan:
                                               "dropped" if not f.tensors else "rewritten")
                                  for f in self.replicated},
             "replicated_bytes": self.replicated_bytes,
-            "memory": account(self.skeleton_manifest(), non_target_bytes=self.replicated_bytes).to_dict(),
+            "memory": account(manifest, non_target_bytes=self.replicated_bytes).to_dict(),
+            "draft": draft_account(manifest),
         }
 
 
@@ -266,7 +273,7 @@ def make_plan(ckpt: SourceCheckpoint, world_size: int, selection: Selection,
             replicated.append(ReplicatedFile(name, tuple(spec(t) for t in keep), out_name))
     other = tuple(rel for rel in ckpt.other_files if rel != INDEX_NAME)
     return ConvertPlan(ckpt, world_size, selection, targets, requant_plan, rewritten, rank_layout,
-                       tuple(replicated), other, options)
+                       tuple(replicated), other, options, draft_of_config(ckpt.config, targets.layers))
 
 
 def lay_out(layers: list[tuple[int, list[TensorSpec]]], targets: TargetPlan, world_size: int,

@@ -77,6 +77,7 @@ class ReshardPlan:
             selection=src.selection,
             requant_options=src.requant_options,
             resharded_from=resharded_from,
+            draft=src.draft,
         )
 
 

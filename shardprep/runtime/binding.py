@@ -11,6 +11,13 @@ without a graph break, and CUDA graphs capture fixed weight addresses.
 
 Outside its layer's forward a target parameter reads whatever its slot holds at that moment (another
 layer's weights once the slot is reused): only the layer itself may read it.
+
+A draft model's layers (`manifest.draft`: an MTP layer) are gathered with the target's, last, so the target's
+last layer's wait dispatches the draft's first gather: it hides behind that layer. `bind_draft` binds them to the
+draft model's modules. The draft runs several passes per step on the same weights, so the first pass waits for
+the gather and every later pass reads the slot as it is; the slot is released when the next target forward
+begins. The ranks' collective sequence is the target's forward, whatever the draft does (idle ranks, rejected
+proposals, fewer passes): one gather per layer, draft included, per target forward.
 """
 
 from __future__ import annotations
@@ -19,15 +26,18 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .._version import __version__
-from ..errors import RuntimeShardError
+from ..errors import RuntimeShardError, ShardprepError
+from ..manifests.draft_layers import layer_mismatch, mtp_layers
 from ..manifests.dtypes import torch_dtype
 from ..manifests.manifest import LayerRecord, Manifest
+from ..manifests.strict_json import read_json_file
 from . import layer_ops
 
 if TYPE_CHECKING:
@@ -75,6 +85,8 @@ class Binding:
         self.shards = shards
         self.gatherer = gatherer
         self.layers = layers
+        self.draft_layers: list[BoundLayer] = []  # bound by bind_draft, to the draft model's modules
+        self._draft_waited: set[int] = set()  # draft layers waited for since the last target forward
         self.forward_count = 0
         # Where the current forward is: the position (in gatherer order) of the next bound layer, and whether
         # begin() was issued for it. A forward ends when the last bound layer is done.
@@ -98,8 +110,22 @@ class Binding:
 
     @property
     def target_parameters(self) -> dict[str, nn.Parameter]:
-        """Manifest name → the parameter it binds to (fused view names included)."""
+        """Manifest name → the parameter it binds to (fused view names included), the target model's layers."""
         return {name: p for layer in self.layers for p, name in layer.params}
+
+    @property
+    def draft_parameters(self) -> dict[str, nn.Parameter]:
+        """Manifest name → the draft model's parameter it binds to (empty before `bind_draft`)."""
+        return {name: p for layer in self.draft_layers for p, name in layer.params}
+
+    def add_draft(self, layers: list[BoundLayer]) -> None:
+        """Point the draft model's layers at their views and hook them (see `bind_draft`)."""
+        for layer in layers:
+            layer.point(self.gatherer.views(layer.index))
+            self._handles.append(layer.module.register_forward_pre_hook(
+                _begin_hook(self, layer.weights, layer.position), with_kwargs=True))
+            self._handles.append(layer.module.register_forward_hook(_end_hook(self, layer.weights, layer.position)))
+        self.draft_layers.extend(layers)
 
     def compile_key(self) -> str:
         """A digest of what a compiled graph of the bound model bakes in: the ops' constants (the handle, each
@@ -121,6 +147,7 @@ class Binding:
         >>> binding.idle_step()  # doctest: +SKIP
         """
         self._position, self._begun = 0, False  # like begin(), it abandons a forward that stopped midway
+        self._release_draft()
         self.gatherer.idle_step()
 
     def remove(self) -> None:
@@ -141,6 +168,9 @@ class Binding:
             return
         if weights is not None:
             self._check_addresses(position, weights)
+        if position >= len(self.layers):
+            self._draft_begin(self.draft_layers[position - len(self.layers)])
+            return
         # A forward that stopped midway (an exception inside a layer) is abandoned here: the gatherer lets
         # the gathers already issued complete and starts again at the first layer, as every rank must.
         if position == 0 and not (self._begun and self._position == 0):
@@ -153,6 +183,8 @@ class Binding:
         """layer_end(position): the layer's compute is issued, its slot may be gathered into again."""
         if weights is not None:
             self._check_addresses(position, weights)
+        if position >= len(self.layers):
+            return  # the draft's slot stays valid through its later passes; the next target forward releases it
         self.gatherer.done(self.layers[position].index)
         self._position = position + 1
         if self._position == len(self.layers):
@@ -162,7 +194,8 @@ class Binding:
         # A compiler that does not run the ops in place (AOTAutograd's functionalization without Inductor's
         # reinplacing, e.g. backend="aot_eager") hands them copies taken before the gather, and the layer
         # would then read those stale copies: refuse instead of computing with the wrong weights.
-        for w, (param, name) in zip(weights, self.layers[position].params):
+        layer = self.layers[position] if position < len(self.layers) else self.draft_layers[position - len(self.layers)]
+        for w, (param, name) in zip(weights, layer.params):
             if w.data_ptr() != param.data_ptr():
                 raise RuntimeShardError(
                     f"{name}: the compiled graph passed a copy of this weight to shardprep::layer_begin/layer_end, "
@@ -171,7 +204,23 @@ class Binding:
                     "piecewise compilation"
                 )
 
+    def _draft_begin(self, layer: BoundLayer) -> None:
+        if layer.index in self._draft_waited:
+            return  # a later pass of the draft in this step: the same weights, still in their slot
+        if self._begun:
+            raise RuntimeShardError(f"draft layer {layer.index} ran inside the target model's forward; the draft's "
+                                    "layers are gathered after the target's last layer")
+        self.gatherer.wait(layer.index)  # dispatched during the target's last layer
+        self._draft_waited.add(layer.index)
+
+    def _release_draft(self) -> None:
+        # The draft's passes of the last step are over: its slot may be gathered into again.
+        for index in sorted(self._draft_waited):
+            self.gatherer.done(index)
+        self._draft_waited.clear()
+
     def _begin(self) -> None:
+        self._release_draft()
         self.gatherer.begin()
         self._position, self._begun = 0, True
         self.forward_count += 1
@@ -239,8 +288,9 @@ def bind(
         gatherer = LayerGatherer(shards)
     manifest: Manifest = shards.manifest
     renamed = model_name or _same_name
-    modules, first = _layer_modules(model, manifest, layers, renamed)
-    order = list(gatherer.layers)
+    drafted = set(manifest.draft.layers) if manifest.draft else set()
+    order = [index for index in gatherer.layers if index not in drafted]  # the draft's come last (format.md)
+    modules, first = _layer_modules(model, manifest, layers, renamed, order, shards.directory)
     bound = [_bind_layer(manifest.layer(index), position, modules[index], renamed)
              for position, index in enumerate(order)]
     _check_not_shared(model, bound)
@@ -250,14 +300,46 @@ def bind(
     return Binding(model, shards, gatherer, bound, first)
 
 
+def bind_draft(binding: Binding, modules: Mapping[int, nn.Module],
+               model_name: Callable[[str], str] | None = None) -> list[BoundLayer]:
+    """Bind the draft's layers (`manifest.draft`) to the draft model's modules {layer index: module}, gathered by
+    `binding`'s gatherer after the target's layers (the binding of the target model, over the whole manifest).
+
+    The draft layer's pre-hook waits for its gather on the draft's first pass of a step and does nothing on the
+    later ones; its slot is released when the target's next forward begins. One draft layer at most: with two
+    slots a second one would be gathered into the first one's slot while later passes still read it.
+
+    >>> bind_draft(target_binding, {61: mtp_model.model.layers["61"].mtp_block})  # doctest: +SKIP
+    """
+    manifest = binding.shards.manifest
+    drafted = list(manifest.draft.layers) if manifest.draft else []
+    if not drafted or any(i not in binding.gatherer.layers for i in drafted):
+        raise RuntimeShardError("the target's binding gathers no draft layer; open the rank file with the "
+                                "draft's layers (open_rank(..., draft=True)) and bind the target over them")
+    if len(drafted) > 1:
+        raise RuntimeShardError(f"{len(drafted)} draft layers ({drafted}): a sharded draft has one layer at most "
+                                "(DeepSeek's MTP); serve the draft in full mode")
+    missing = [i for i in drafted if i not in modules]
+    if missing:
+        raise RuntimeShardError(f"the draft model has no module for draft layer {missing[0]}")
+    renamed = model_name or _same_name
+    bound = [_bind_layer(manifest.layer(i), binding.gatherer.layers.index(i), modules[i], renamed) for i in drafted]
+    for layer in bound:
+        for param, _ in layer.params:
+            param.requires_grad_(False)
+    binding.add_draft(bound)
+    return bound
+
+
 def _same_name(name: str) -> str:
     return name
 
 
 def _layer_modules(model: nn.Module, manifest: Manifest, layers: LayerModules | None,
-                   renamed: Callable[[str], str]) -> tuple[dict[int, nn.Module], nn.Module]:
-    """{manifest layer index: its module}, and the model's first decoder layer (the one that begins a forward)."""
-    indices = [r.layer for r in manifest.layers]
+                   renamed: Callable[[str], str], indices: list[int],
+                   directory: Path | None = None) -> tuple[dict[int, nn.Module], nn.Module]:
+    """{manifest layer index: its module} for `indices`, and the model's first decoder layer (the one that begins
+    a forward)."""
     if isinstance(layers, Mapping):
         missing = [i for i in indices if i not in layers]
         if missing:
@@ -268,10 +350,16 @@ def _layer_modules(model: nn.Module, manifest: Manifest, layers: LayerModules | 
     try:
         return {i: found[i] for i in indices}, found[0]
     except IndexError:
-        raise RuntimeShardError(
-            f"the model has {len(found)} layers but the manifest has layer {max(indices)}; "
-            "was DIR converted from this model?"
-        ) from None
+        raise RuntimeShardError(layer_mismatch(len(found), indices, _config_mtp_layers(directory))) from None
+
+
+def _config_mtp_layers(directory: Path | None) -> tuple[int, ...]:
+    """config.json's MTP layers in the shards' directory, for the refusal's words only (() if unreadable)."""
+    try:
+        return mtp_layers(read_json_file(Path(directory) / "config.json", max_bytes=16 << 20, what="config.json",
+                                         allow_duplicate_keys=True)) if directory is not None else ()
+    except ShardprepError:
+        return ()
 
 
 def _find_layer_list(model: nn.Module, manifest: Manifest, path: str | None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,12 +61,18 @@ def build_model(
     serve, defaults to this process's rank in `group` (0 without torch.distributed). `trust_remote_code`
     lets transformers run the model code shipped in DIR (config.json's `auto_map`), as in `from_pretrained`.
 
+    A draft model's layers in DIR (an MTP layer: `manifest.draft`, or config.json's `num_nextn_predict_layers`
+    for a manifest written before drafts were recorded) are checked against the config and left unread:
+    transformers builds no MTP layer.
+
     >>> binding = build_model("out/", f"cuda:{local_rank}")  # doctest: +SKIP
     >>> binding.model.generate(input_ids, max_new_tokens=8, do_sample=False)  # doctest: +SKIP
     """
     directory = Path(directory)
     config_dict = _read_config(directory)
     manifest = load_manifest(directory) if shards is None else shards.manifest
+    manifest = manifest.with_serving_draft(config_dict, str(directory))
+    draft = manifest.draft
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed and group is None:
         from .shard_groups import shard_group
@@ -78,7 +85,8 @@ def build_model(
         if distributed:
             world_size = torch.distributed.get_world_size(group)
             rank = torch.distributed.get_rank(group) if rank is None else rank
-        shards = open_rank(directory, rank or 0, world_size=world_size, device=device, manifest=manifest)
+        shards = open_rank(directory, rank or 0, world_size=world_size, device=device, manifest=manifest,
+                           draft=False)
     if gatherer is None:
         from .gatherer import LayerGatherer
 
@@ -88,6 +96,9 @@ def build_model(
     # the model is loaded on the CPU (the replicated tensors mapped, not copied), bound, and then moved:
     # bound targets are views already on `device`, which `.to()` leaves as they are.
     state_dict = dict(shards.load_replicated("cpu"))
+    if draft is not None:  # the draft's replicated tensors (its norms, eh_proj, experts) have no module either
+        pattern = re.compile(r"(?:^|\.)layers\.(" + "|".join(map(str, draft.layers)) + r")\.")
+        state_dict = {k: v for k, v in state_dict.items() if not pattern.search(k)}
     state_dict.update(_target_placeholders(shards))
     model = _from_state_dict(directory, config_dict, state_dict, trust_remote_code)
     binding = bind(model, shards, gatherer, model_name=checkpoint_renaming(model))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ...errors import ShardprepError
 from ...runtime.views import placeholder
 
 LOAD_FORMAT = "shardprep"
@@ -99,6 +100,38 @@ def current_layout() -> ParallelLayout:
         device=torch.device(device),
         platform="cpu" if current_platform.is_cpu() else device.type,
     )
+
+
+MTP_METHODS = ("deepseek_mtp", "mtp")
+"""vLLM's `speculative_config` methods whose draft is the checkpoint's own MTP layer (DeepSeekMTP)."""
+
+
+def serves_mtp_draft(vllm_config: Any) -> bool:
+    """Whether vLLM runs the checkpoint's MTP layers as a draft (`speculative_config` method deepseek_mtp / mtp)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return spec is not None and getattr(spec, "method", None) in MTP_METHODS
+
+
+def is_draft_model(model_config: Any) -> bool:
+    """Whether vLLM is building the draft model (its `runner` is "draft"), not the target."""
+    return getattr(model_config, "runner_type", None) == "draft"
+
+
+def mtp_blocks(model: nn.Module, layers: Sequence[int]) -> dict[int, nn.Module]:
+    """vLLM 0.32's DeepSeekMTP: the decoder block of each MTP layer, `model.layers["L"].mtp_block` (deepseek_mtp.py;
+    its linear layers' prefixes are the checkpoint's `model.layers.L.*`, `_rewrite_spec_layer_name` adds `mtp_block`).
+    """
+    inner: Any = getattr(model, "model", None)
+    found = getattr(inner, "layers", None)
+    blocks = {}
+    for i in layers:
+        layer = found[str(i)] if isinstance(found, nn.ModuleDict) and str(i) in found else None
+        block = getattr(layer, "mtp_block", None)
+        if not isinstance(block, nn.Module):
+            raise ShardprepError(f"the draft model ({type(model).__name__}) has no MTP block for draft layer {i} "
+                                 "(model.layers[\"{i}\"].mtp_block); shard_weights binds DeepSeek's MTP draft only")
+        blocks[i] = block
+    return blocks
 
 
 def install_cpu_dp_collectives() -> None:

@@ -16,7 +16,14 @@ from ...runtime.layer_ops import SPLITTING_OPS
 from . import compat
 from .full_mode import load_full
 from .options import ShardprepLoadOptions
-from .sharded_mode import load_sharded, parameter_names, startup_line
+from .sharded_mode import (
+    draft_startup_line,
+    load_draft,
+    load_sharded,
+    parameter_names,
+    serving_manifest,
+    startup_line,
+)
 
 
 class ShardprepModelLoader(BaseModelLoader):
@@ -36,6 +43,8 @@ class ShardprepModelLoader(BaseModelLoader):
         self.options = ShardprepLoadOptions.from_extra_config(load_config.model_loader_extra_config)
         self.binding: Binding | None = None
         self._manifest: Manifest | None = None  # read once by create_model in sharded mode, used by load_weights
+        self._draft_model = False  # this loader builds vLLM's draft model (DeepSeekMTP), not the target
+        self._serves_draft = False  # the target is served with its MTP draft (speculative_config)
         self._without_storage: list[tuple[str, nn.Parameter]] = []
         self._bound_before_processing: dict[str, compat.ParameterPlace] = {}
 
@@ -45,8 +54,10 @@ class ShardprepModelLoader(BaseModelLoader):
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         if not self.options.shard_weights:
             return super().create_model(vllm_config, model_config, prefix)
-        self._manifest = load_manifest(model_config.model)
-        with compat.target_weights_without_storage(bound_later(self._manifest)) as made:
+        self._manifest = serving_manifest(model_config.model)
+        self._draft_model = compat.is_draft_model(model_config)
+        self._serves_draft = compat.serves_mtp_draft(vllm_config)
+        with compat.target_weights_without_storage(bound_later(self._manifest, self._draft_model)) as made:
             model = super().create_model(vllm_config, model_config, prefix)
         self._without_storage = made
         return model
@@ -61,11 +72,15 @@ class ShardprepModelLoader(BaseModelLoader):
         if not self.options.shard_weights:
             load_full(model, directory, self.options.verify, optional=compat.defaulted_parameters(model))
             return
+        if self._draft_model:
+            self._load_draft(model, directory)
+            return
         self.binding, processed = load_sharded(
             model, directory, layout, compat.keep_plain_linear, self.options.verify, self.options.shard_group_size,
             self.options.allow_cross_node_groups, refuse_post_processed=compat.refuse_post_processed,
             manifest=self._manifest, is_quantized=compat.is_quantized, process_quantized=compat.process_quantized,
-            optional=compat.defaulted_parameters(model), model_name=compat.module_names(model))
+            optional=compat.defaulted_parameters(model), model_name=compat.module_names(model),
+            draft=self._serves_draft)
         self._bound_before_processing = compat.bound_places(model, self.binding.target_parameters)
         # By name: a quantized module processed at load holds new parameter objects under the same names.
         bound = {id(param) for param in self.binding.target_parameters.values()}
@@ -77,6 +92,18 @@ class ShardprepModelLoader(BaseModelLoader):
         if not layout.eager:
             compat.add_splitting_ops(SPLITTING_OPS)
         compat.logger().info(startup_line(self.binding, directory, processed))
+
+    def _load_draft(self, model: nn.Module, directory: str) -> None:
+        assert self._manifest is not None
+        binding = load_draft(model, directory, self._manifest, compat.mtp_blocks, compat.keep_plain_linear,
+                             self.options.verify, compat.is_quantized, compat.defaulted_parameters(model))
+        bound = set() if binding is None else {id(p) for p in binding.draft_parameters.values()}
+        unbound = [name for name, param in self._without_storage if id(param) not in bound]
+        if unbound:
+            raise ShardprepError(f"{unbound[0]!r} was built without storage as a draft target of {directory}, but "
+                                 "no manifest tensor was bound to it; was the directory converted from this model?")
+        if binding is not None:
+            compat.logger().info(draft_startup_line(binding, directory))
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         # vLLM's process_weights_after_loading runs inside, after load_weights: check that it left every
@@ -91,15 +118,17 @@ class ShardprepModelLoader(BaseModelLoader):
         return model
 
 
-def bound_later(manifest: Manifest) -> Callable[[str], bool]:
+def bound_later(manifest: Manifest, draft: bool = False) -> Callable[[str], bool]:
     """Whether a model parameter name is one `bind` will bind: a target or fused view of the manifest, matched
     as `bind` matches it, by layer index and the name inside the layer (`model.layers.3.self_attn.o_proj.weight`
-    → (3, `self_attn.o_proj.weight`)), whatever the model calls its layer list.
+    → (3, `self_attn.o_proj.weight`)), whatever the model calls its layer list. The target model's layers, or with
+    `draft` the draft's (`manifest.draft`: vLLM's DeepSeekMTP names its block's linear layers as the checkpoint does).
 
     >>> is_target = bound_later(load_manifest("out/"))  # doctest: +SKIP
     >>> model_name_is_target = is_target("model.layers.1.self_attn.qkv_proj.weight")  # doctest: +SKIP
     """
-    inside = {(r.layer, split_layer_name(name, r.layer)[1]) for r in manifest.layers
+    records = manifest.draft_records if draft else manifest.target_records
+    inside = {(r.layer, split_layer_name(name, r.layer)[1]) for r in records
               for name in [*(e.name for e in r.entries), *(v.name for v in r.views)]}
 
     def is_target(name: str) -> bool:

@@ -10,6 +10,12 @@ run dummy forwards of MoE models (all DP ranks step together), so every rank of 
 same gathers. A quantized target is processed once at load and sharded as its kernel reads it
 (processed_layers.py). Nothing here imports vLLM: what depends on it comes in through `ParallelLayout` and
 the callbacks (`keep_plain_linear`, `refuse_post_processed`, `is_quantized`, `process_quantized`).
+
+A draft's layers in DIR (`manifest.draft`: DeepSeek's MTP layer) are checked and left unread when vLLM serves
+the target alone. With vLLM's MTP speculative decoding, the target's gatherer gathers them too, after the
+target's layers (the draft's gather is dispatched, one layer ahead as any, before the target's last layer
+computes), and `load_draft` binds
+them to the draft model, which vLLM loads second (runtime/binding.py, `bind_draft`).
 """
 
 from __future__ import annotations
@@ -24,13 +30,28 @@ from ...errors import ShardprepError
 from ...loader.rank_shards import iter_replicated, open_rank
 from ...manifests.manifest import Manifest, load_manifest
 from ...manifests.shard_groups import group_size_problem
-from ...planning.accounting import account
-from ...runtime.binding import Binding, bind
+from ...manifests.strict_json import read_json_file
+from ...planning.accounting import account, draft_account
+from ...runtime.binding import Binding, bind, bind_draft
 from ...runtime.gatherer import LayerGatherer
 from ...runtime.shard_groups import shard_group
 from .compat import ParallelLayout
 from .full_mode import check_all_loaded
 from .processed_layers import PlaceholderGatherer, ProcessedLayers, needs_processing, process_layers
+
+# Per process, the target's binding of each directory served with its draft: the draft model, loaded after the
+# target by the same worker, binds its layers to that binding's gatherer.
+_with_draft: dict[str, Binding] = {}
+
+
+def serving_manifest(directory: str | Path) -> Manifest:
+    """DIR's manifest, its draft's layers as the server must treat them (checked against DIR's config.json).
+
+    >>> serving_manifest("out/").draft  # doctest: +SKIP
+    """
+    config = read_json_file(Path(directory) / "config.json", max_bytes=16 << 20, what="config.json",
+                            allow_duplicate_keys=True)
+    return load_manifest(directory).with_serving_draft(config if isinstance(config, dict) else None, str(directory))
 
 
 def check_layout(layout: ParallelLayout, manifest: Manifest, directory: str | Path,
@@ -83,6 +104,7 @@ def load_sharded(
     process_quantized: Callable[[nn.Module], None] | None = None,
     optional: Collection[str] = (),
     model_name: Callable[[str], str] | None = None,
+    draft: bool = False,
 ) -> tuple[Binding, ProcessedLayers | None]:
     """Bind `model`'s targets to this DP rank's shards and load its other weights; returns the binding.
 
@@ -96,11 +118,14 @@ def load_sharded(
     `allow_cross_node_groups` options; `manifest`, DIR's if already read; `optional`, parameters the server
     gives defaults, which DIR need not hold (`compat.defaulted_parameters`); `model_name`, the model's name for a
     checkpoint tensor name, as the server's loader maps it (`compat.module_names`; None: the same names).
+    `draft`: vLLM runs the draft's layers (`manifest.draft`) as a draft model; they are gathered after the
+    target's, for `load_draft` to bind. Without it they are checked with the rest of the rank file and never read.
 
     >>> binding, _ = load_sharded(model, "out/", compat.current_layout(), compat.keep_plain_linear)  # doctest: +SKIP
     """
-    manifest = load_manifest(directory) if manifest is None else manifest
+    manifest = serving_manifest(directory) if manifest is None else manifest
     check_layout(layout, manifest, directory, group_size)
+    draft = draft and manifest.draft is not None
     if tuple(layout.dp_world_ranks) != tuple(range(torch.distributed.get_world_size())):
         # Shard groups divide the world: with TP = PP = 1 vLLM's world is the DP ranks, in DP rank order.
         raise ShardprepError(f"shard_weights: vLLM's DP ranks {list(layout.dp_world_ranks)} are not its whole "
@@ -110,7 +135,7 @@ def load_sharded(
     group = shard_group(manifest.world_size, backend=backend, own_communicator=True,
                         allow_cross_node_groups=allow_cross_node_groups)
     shards = open_rank(directory, group.rank_file, world_size=manifest.world_size, device=layout.device,
-                       verify=verify, manifest=manifest)
+                       verify=verify, manifest=manifest, draft=draft)
     # Bound first to placeholders (no memory), to check the targets before anything is read; the gatherer comes
     # once the replicated weights are in, over the rank file or over the processed layers.
     binding = bind(model, shards, PlaceholderGatherer(shards), model_name=model_name)  # type: ignore[arg-type]
@@ -126,12 +151,79 @@ def load_sharded(
     check_all_loaded(model, loaded, directory, also={*parameter_names(model, bound), *optional})
     if not needs_processing(binding, is_quantized):
         binding.remove()
-        return bind(model, shards, LayerGatherer(shards, group=group.process_group, backend="auto"),
-                    model_name=model_name), None
+        served = bind(model, shards, LayerGatherer(shards, group=group.process_group, backend="auto"),
+                      model_name=model_name)
+        if draft:
+            _with_draft[_key(directory)] = served
+        return served, None
+    if draft:
+        raise ShardprepError(f"{directory}: quantized targets with a sharded draft are not supported; serve without "
+                             "speculative_config, or in full mode")
     if process_quantized is None:
         raise ShardprepError(f"{directory}: a bound module is quantized, and no step to process it was given")
     processed = process_layers(binding, group.process_group, is_quantized, process_quantized, model_name)
     return processed.binding, processed
+
+
+def load_draft(
+    model: nn.Module,
+    directory: str | Path,
+    manifest: Manifest,
+    modules: Callable[[nn.Module, tuple[int, ...]], Mapping[int, nn.Module]],
+    keep_plain_linear: Callable[[nn.Module], None],
+    verify: bool = True,
+    is_quantized: Callable[[nn.Module], bool] = lambda module: False,
+    optional: Collection[str] = (),
+) -> Binding | None:
+    """Load vLLM's draft model (DeepSeekMTP) of a directory served sharded: its layers in the manifest bound to the
+    target's gatherer (`load_sharded(..., draft=True)` ran first in this process), everything else from the
+    replicated part. `modules(model, layers)` finds each draft layer's module. Returns the target's binding, now
+    also the draft's; None when the manifest shards no draft layer (the draft is then loaded whole from the
+    replicated part).
+
+    >>> load_draft(mtp, "out/", serving_manifest("out/"), compat.mtp_blocks, compat.keep_plain_linear)  # doctest: +SKIP
+    """
+    if manifest.draft is None:
+        loaded = model.load_weights(iter_replicated(directory, manifest, "cpu", verify))  # type: ignore[operator]
+        check_all_loaded(model, loaded, directory, also=optional)
+        return None
+    binding = _with_draft.get(_key(directory))
+    if binding is None:
+        raise ShardprepError(f"{directory}: the draft model was loaded before the target, or the target was not "
+                             "served sharded with its draft; shard_weights loads the target first")
+    bound = bind_draft(binding, modules(model, manifest.draft.layers))
+    ids = {id(param) for layer in bound for param, _ in layer.params}
+    for module in model.modules():
+        if any(id(p) in ids for p in module.parameters(recurse=False)):
+            if is_quantized(module):
+                raise ShardprepError(f"{directory}: the draft's layer {manifest.draft.layers[0]} is quantized; a "
+                                     "sharded draft takes unquantized weights only; serve it in full mode")
+            keep_plain_linear(module)
+    loaded = model.load_weights(iter_replicated(directory, manifest, "cpu", verify))  # type: ignore[operator]
+    check_all_loaded(model, loaded, directory, also={*parameter_names(model, ids), *optional})
+    return binding
+
+
+def draft_startup_line(binding: Binding, directory: str | Path) -> str:
+    """The line each rank logs once its draft is bound: which layers, where their gather hides, and the draft's
+    resident and saved bytes apart from the target's.
+
+    >>> log.info(draft_startup_line(binding, "out/"))  # doctest: +SKIP
+    """
+    manifest, gatherer = binding.shards.manifest, binding.gatherer
+    draft = draft_account(manifest, gatherer.num_slots)
+    assert draft is not None and manifest.draft is not None
+    layers = ", ".join(map(str, manifest.draft.layers))
+    group_ranks = torch.distributed.get_process_group_ranks(gatherer.group)
+    return (f"shardprep: DP rank {group_ranks[binding.shards.rank]} binds the {manifest.draft.kind.upper()} draft of "
+            f"{directory}: layer {layers} gathered after the target's layers (dispatched before the target's last "
+            "layer computes), into the target's slots, held through the draft's passes of a step; resident draft bytes "
+            f"{draft['resident_bytes']}, saved {draft['saved_bytes']} against {draft['sharded_bytes']} for its full "
+            "weights")
+
+
+def _key(directory: str | Path) -> str:
+    return str(Path(directory).resolve())
 
 
 def startup_line(binding: Binding, directory: str | Path, processed: ProcessedLayers | None = None) -> str:
@@ -147,16 +239,19 @@ def startup_line(binding: Binding, directory: str | Path, processed: ProcessedLa
     """
     shards, gatherer = binding.shards, binding.gatherer
     manifest = shards.manifest
-    local = sum(shards.chunk(layer).numel() for layer in gatherer.layers)
     layers = [layer.index for layer in binding.layers]
-    full = account(manifest).sharded_bytes
+    local = sum(shards.chunk(layer).numel() for layer in layers)
+    # A draft's layers gathered with these have a line of their own (draft_startup_line).
+    drafted = sum(shards.chunk(layer).numel() for layer in gatherer.layers if layer not in layers)
+    full = account(manifest.without_draft()).sharded_bytes
     # The DP ranks are the world (load_sharded checks it), so global ranks are DP ranks.
     group_ranks = torch.distributed.get_process_group_ranks(gatherer.group)
     dp_size, n = torch.distributed.get_world_size(), shards.world_size
     return (f"shardprep: DP rank {group_ranks[shards.rank]} of {dp_size} serves {directory} sharded: "
             f"{len(layers)} layers bound ({layers[0]}..{layers[-1]}), gather backend {gatherer.backend_name}; "
             f"resident target bytes {local + gatherer.slot_bytes} = R/N {local} + {gatherer.num_slots} slots "
-            f"{gatherer.slot_bytes} (+ {shards.nbytes - local} alignment padding), against {full} for full weights; "
+            f"{gatherer.slot_bytes} (+ {shards.nbytes - local - drafted} alignment padding), against {full} for full "
+            "weights; "
             f"shard group {group_ranks[0] // n} of {dp_size // n} (DP ranks {group_ranks[0]}..{group_ranks[-1]}), "
             f"rank file {shards.rank} of {n}"
             + ("" if processed is None else
