@@ -11,13 +11,23 @@ at exact ties). One sequence per step makes every step's batch the same in every
 log-probabilities of repeated runs are then equal to the bit).
 
 Starting vLLM is the cost of these tests (each import takes tens of seconds on two cores), so one
-process runs every engine of a plan: with `dp_size` 1 the engines run in this process (engine core
-in-process; TP > 1 still spawns its workers), and with `dp_size` N > 1, N processes are spawned as in
-vLLM's offline data-parallel example (`VLLM_DP_*` variables), each running every engine of the plan as
-its DP rank. A DP rank waits for its peers before shutting an engine down: an idle rank's engine must
-keep taking part in the collectives until the busiest rank is done.
+process runs every engine of a plan: with `dp_size` 1 the engines run in this process, and with `dp_size`
+N > 1, N processes are spawned as in vLLM's offline data-parallel example (`VLLM_DP_*` variables), each
+running every engine of the plan as its DP rank. A DP rank waits for its peers before shutting an engine
+down: an idle rank's engine must keep taking part in the collectives until the busiest rank is done.
 
-PLAN: {"dp_size": N, "env" (optional: variables for every engine process), "runs": [{"name", "model" (a path,
+Each engine's core and its worker run inside the process that runs its DP rank
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0` and, at TP 1, `distributed_executor_backend="uni"`, what vLLM picks itself
+at DP=1; TP > 1 still spawns its workers). vLLM's `LLMEngine` supports that at DP > 1 (its own DP group, and a
+dummy batch on an idle rank, as the engine-core process runs one), and the model, its loader, the worker and
+the collectives are the same. What it skips is two more processes per engine and DP rank, each importing
+vLLM: measured on two busy cores, a DP=2 Qwen3-MoE pair's second engine started in 3-4 s instead of 23-40 s
+(worker process only) or 79-90 s (engine-core and worker processes), with the same tokens and
+log-probabilities bit for bit in all three. A plan with `"engine_core": "process"` keeps vLLM's engine-core
+and worker processes, the path `vllm serve` takes; one DP=2 pair runs that way (test_vllm_compiled.py).
+
+PLAN: {"dp_size": N, "env" (optional: variables for every engine process), "engine_core" (optional: "process"
+for vLLM's engine-core processes), "runs": [{"name", "model" (a path,
 or one per DP rank), "llm" (LLM kwargs), "prompts" (one list per DP rank), "max_tokens" (one per DP rank), "env"
 (optional: variables set while this engine starts and runs)}]}.
 RESULTS: {name: [per DP rank: {"tokens": [[ids] per prompt], "top2": [[[two best log-probabilities] per token]
@@ -146,9 +156,10 @@ def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, d
         llm = None
         saved = {key: os.environ.get(key) for key in run.get("env", {})}
         os.environ.update(run.get("env", {}))
+        reread_vllm_env()
         started = time.monotonic()
         try:
-            llm = LLM(model=model, **run["llm"])
+            llm = LLM(model=model, **in_process_worker(run["llm"]), **run["llm"])
             ready = time.monotonic()
             params = SamplingParams(temperature=0, max_tokens=run["max_tokens"][dp_rank], ignore_eos=True, logprobs=2)
             outputs = llm.generate(run["prompts"][dp_rank], params, use_tqdm=False)
@@ -166,12 +177,28 @@ def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, d
                     del os.environ[key]
                 else:
                     os.environ[key] = value
+            reread_vllm_env()
         if barrier is not None:
             barrier.wait(timeout=900)  # every DP rank's requests are done before any engine stops
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
     return results
+
+
+def in_process_worker(llm: dict) -> dict:
+    """With the engine core in this process and TP 1, its worker here too (vLLM spawns one at DP > 1)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0" or llm.get("tensor_parallel_size", 1) != 1:
+        return {}
+    return {} if "distributed_executor_backend" in llm else {"distributed_executor_backend": "uni"}
+
+
+def reread_vllm_env() -> None:
+    """Make vLLM read its environment variables again: an engine core freezes them when it starts
+    (`vllm.envs.enable_envs_cache`), and a run's own `env` must reach the next engine in this process."""
+    from vllm import envs
+
+    envs.disable_envs_cache()
 
 
 def dp_rank_main(plan: dict, dp_rank: int, ports: list[int], barrier, queue) -> None:
@@ -200,8 +227,9 @@ def main(plan_path: str, results_path: str) -> None:
     n = plan["dp_size"]
     # Several engines per DP rank, each with its own DP master port (a closed port lingers in TIME_WAIT).
     ports = free_ports(len(plan["runs"]))
+    if n == 1 or plan.get("engine_core") != "process":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # inherited by the DP ranks' processes
     if n == 1:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         by_rank = [run_plan(plan, 0, ports, None)]
     else:
         from multiprocessing import get_context

@@ -70,10 +70,12 @@ def register() -> None:
 
 @dataclass
 class _Resident:
-    """What `bind` reads of a RankShards: the manifest and the device of the ops' order tensor."""
+    """What `bind` reads of a RankShards: the manifest, the device of the ops' order tensor, and the directory
+    (a layer mismatch's refusal reads its config.json; None: no directory to read)."""
 
     manifest: object
     device: object
+    directory: object = None
 
 
 class _NoGathers:

