@@ -13,9 +13,9 @@ from ...errors import ShardprepError
 from ...manifests.manifest import Manifest, load_manifest
 from ...runtime.binding import Binding, split_layer_name
 from ...runtime.layer_ops import SPLITTING_OPS
+from ..load_options import ShardprepLoadOptions
 from . import compat
 from .full_mode import load_full
-from .options import ShardprepLoadOptions
 from .sharded_mode import load_sharded, parameter_names, startup_line
 
 

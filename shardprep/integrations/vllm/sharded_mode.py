@@ -28,8 +28,8 @@ from ...planning.accounting import account
 from ...runtime.binding import Binding, bind
 from ...runtime.gatherer import LayerGatherer
 from ...runtime.shard_groups import shard_group
+from ..output_weights import check_all_loaded
 from .compat import ParallelLayout
-from .full_mode import check_all_loaded
 from .processed_layers import PlaceholderGatherer, ProcessedLayers, needs_processing, process_layers
 
 
