@@ -16,8 +16,12 @@ PyNccl) and torch_native_fill.py (the torch-native backend's `get_cpu_graph_seq_
 stand_ins/sgl_kernel.py is put on PYTHONPATH as the module `sgl_kernel`. shardprep's own plugin
 (`--load-format shardprep`) comes from its installed entry point, as for any user.
 
+A scheduler that fails while the model loads sends SIGQUIT to the engine's process, whose default handler kills
+the whole process tree, this runner included; a run marked `"refusal": true` installs a handler that only notes
+it (SGLang's `custom_sigquit_handler`), so the engine raises instead and the next run can start.
+
 PLAN: {"env" (optional: variables for every engine), "runs": [{"name", "model", "engine" (sgl.Engine kwargs, on
-top of BASE), "prompts", "max_tokens" (one per prompt)}]}.
+top of BASE), "prompts", "max_tokens" (one per prompt), "refusal" (optional)}]}.
 RESULTS: {name: {"tokens": [[ids] per prompt], "max_total_num_tokens": int} or {"error": "Type: message"}}.
 """
 
@@ -87,15 +91,22 @@ def declare_sglang_plugin(directory: Path, name: str, entry: str) -> None:
     (meta / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{name} = {entry}\n")
 
 
+def noted_sigquit(signum: int, frame: object) -> None:
+    print("sglang_runs: a scheduler failed (SIGQUIT); the engine raises", flush=True)
+
+
 def run_plan(plan: dict) -> dict[str, dict]:
     import sglang as sgl
 
     results: dict[str, dict] = {}
-    for run in plan["runs"]:
+    for number, run in enumerate(plan["runs"]):
         engine = None
         started = time.monotonic()
         try:
-            engine = sgl.Engine(model_path=run["model"], **{**BASE, **run["engine"]})
+            # Ports of their own: an engine's ports stay taken a while after its shutdown (TIME_WAIT).
+            port = 20000 + 500 * number + os.getpid() % 400
+            extra = {"custom_sigquit_handler": noted_sigquit} if run.get("refusal") else {}
+            engine = sgl.Engine(model_path=run["model"], port=port, **{**BASE, **run["engine"]}, **extra)
             ready = time.monotonic()
             params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in run["max_tokens"]]
             outputs = engine.generate(run["prompts"], params)

@@ -1,14 +1,31 @@
-"""Everything that depends on SGLang's version (0.5.23): how a load format is registered.
+"""Everything that depends on SGLang's version (0.5.23), in one place.
 
-SGLang's named load formats are a closed enum (`LoadFormat(name)` raises on an unknown name), but a `LoadConfig`
+- Registering the load format. SGLang's named load formats are a closed enum (`LoadFormat(name)` raises on an unknown name), but a `LoadConfig`
 may carry a loader class instead (`get_model_loader`: `isinstance(load_format, type)`). So the name is added to
 the command line's choices (`add_load_format_choices`, SGLang's own extension point), and a HookRegistry BEFORE
 hook on `LoadConfig._verify_load_format` turns the name into the class before the enum sees it.
+- Reading the worker's parallel layout for sharded mode (`current_layout`): DP attention's rank and size, the
+  attention TP size, whether the DP ranks step together (they do under DP attention: an idle rank runs SGLang's
+  IDLE batches through every layer).
+- The CPU linear layers: with AMX, SGLang repacks an unquantized weight after loading (`_amx_process_weight_
+  after_loading`) for its own kernel; a layer whose weight is swapped in per forward must keep the plain path
+  (`keep_plain_linear`).
+
+Nothing else in shardprep imports SGLang's internals.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+import torch
+from torch import nn
+
+from ..vllm.compat import ParallelLayout
+
+LOGGER_NAME = "sglang.shardprep"
+"""A child of SGLang's logger, so the lines come out with SGLang's own handler and rank prefix."""
 
 VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
 
@@ -31,3 +48,68 @@ def register_load_format(name: str, loader: type) -> None:
 
     add_load_format_choices([name])
     HookRegistry.register(VERIFY_LOAD_FORMAT, name_to_class, HookType.BEFORE)
+
+
+def current_layout(device: torch.device) -> ParallelLayout:
+    """The layout of the scheduler process that is loading the model (call it inside the loader's load_model).
+
+    Under DP attention SGLang's DP ranks are its attention-DP ranks; the attention TP size is what sharded mode
+    needs to be 1 (each DP rank computes whole attention heads from whole weights).
+    """
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.runtime_context import get_parallel, get_server_args
+
+    parallel, args = get_parallel(), get_server_args()
+    dp_attention = is_dp_attention_enabled()
+    world = torch.distributed.get_world_size()
+    dp_size = parallel.attn_dp_size if dp_attention else 1
+    attn_tp = world // (dp_size * args.pp_size)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return ParallelLayout(
+        dp_rank=parallel.attn_dp_rank if dp_attention else 0,
+        dp_size=dp_size,
+        dp_world_ranks=tuple(range(world)) if attn_tp == 1 else (),
+        tp_size=attn_tp,
+        pp_size=args.pp_size,
+        lockstep_dp=dp_attention,
+        eager=bool(args.disable_cuda_graph) and not args.enable_torch_compile,
+        device=device,
+        platform=device.type,
+    )
+
+
+class PlainLinearMethod:
+    """A linear layer's quantization method, but its weight is left as loaded (no repacking after loading)."""
+
+    def __init__(self, method: Any):
+        self.method = method
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        return None  # the weight is a gathered view, rebound every forward: it must stay plain
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.method, name)
+
+
+def keep_plain_linear(module: nn.Module) -> None:
+    """Keep `module`'s weight a parameter that its forward reads each time: SGLang's CPU linear method repacks it
+    for AMX after loading (and then reads only the packed copy); the plain path is `F.linear` on `.weight`."""
+    method = getattr(module, "quant_method", None)
+    if method is not None and not isinstance(method, PlainLinearMethod):
+        module.quant_method = PlainLinearMethod(method)
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """Whether SGLang built `module` with a quantized linear method (sharded mode does not process those yet)."""
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    method = getattr(module, "quant_method", None)
+    if isinstance(method, PlainLinearMethod):
+        method = method.method
+    return method is not None and not isinstance(method, UnquantizedLinearMethod)
+
+
+def logger() -> logging.Logger:
+    """The logger the startup line goes to."""
+    return logging.getLogger(LOGGER_NAME)
