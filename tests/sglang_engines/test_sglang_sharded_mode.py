@@ -63,10 +63,11 @@ def test_full_mode_under_dp_attention_gives_sglangs_own_tokens_from_the_source(e
 def test_each_dp_rank_logs_its_resident_bytes_against_full_weights_from_its_own_rank_file(engines):
     _, log, out = engines
     lines = re.findall(r"shardprep: DP rank (\d) of 2 serves (\S+) sharded: .*?resident target bytes (\d+) = "
-                       r"R/N (\d+) .*?against (\d+) for full weights; .*?rank file (\d) of 2", log)
+                       r"R/N (\d+) \+ 2 slots (\d+) .*?against (\d+) for full weights; .*?rank file (\d) of 2", log)
     assert sorted(line[0] for line in lines) == ["0", "1"], lines
-    for rank, served, resident, own, full, rank_file in lines:
+    for rank, served, resident, own, slots, full, rank_file in lines:
         assert served == str(out) and rank_file == rank
+        assert int(resident) == int(own) + int(slots)
         assert int(own) < int(full)  # the rank holds half of the targets; with the slots, tiny models hold more
 
 

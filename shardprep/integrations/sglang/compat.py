@@ -1,9 +1,10 @@
 """Everything that depends on SGLang's version (0.5.23), in one place.
 
-- Registering the load format. SGLang's named load formats are a closed enum (`LoadFormat(name)` raises on an unknown name), but a `LoadConfig`
-may carry a loader class instead (`get_model_loader`: `isinstance(load_format, type)`). So the name is added to
-the command line's choices (`add_load_format_choices`, SGLang's own extension point), and a HookRegistry BEFORE
-hook on `LoadConfig._verify_load_format` turns the name into the class before the enum sees it.
+- Registering the load format. SGLang's named load formats are a closed enum (`LoadFormat(name)` raises on an
+  unknown name), but a `LoadConfig` may carry a loader class instead (`get_model_loader`: `isinstance(load_format,
+  type)`). So the name is added to the command line's choices (`add_load_format_choices`, SGLang's own extension
+  point), and a HookRegistry BEFORE hook on `LoadConfig._verify_load_format` turns the name into the class before
+  the enum sees it.
 - Reading the worker's parallel layout for sharded mode (`current_layout`): DP attention's rank and size, the
   attention TP size, whether the DP ranks step together (they do under DP attention: an idle rank runs SGLang's
   IDLE batches through every layer).
@@ -97,7 +98,7 @@ def keep_plain_linear(module: nn.Module) -> None:
     for AMX after loading (and then reads only the packed copy); the plain path is `F.linear` on `.weight`."""
     method = getattr(module, "quant_method", None)
     if method is not None and not isinstance(method, PlainLinearMethod):
-        module.quant_method = PlainLinearMethod(method)
+        setattr(module, "quant_method", PlainLinearMethod(method))  # a plain attribute of SGLang's layer
 
 
 def is_quantized(module: nn.Module) -> bool:
