@@ -98,7 +98,7 @@ def keep_plain_linear(module: nn.Module) -> None:
     for AMX after loading (and then reads only the packed copy); the plain path is `F.linear` on `.weight`."""
     method = getattr(module, "quant_method", None)
     if method is not None and not isinstance(method, PlainLinearMethod):
-        setattr(module, "quant_method", PlainLinearMethod(method))  # a plain attribute of SGLang's layer
+        module.quant_method = PlainLinearMethod(method)  # type: ignore[assignment]  # an attribute of the layer
 
 
 def is_quantized(module: nn.Module) -> bool:
