@@ -28,25 +28,18 @@ deps=(
 
 if uv=$(python3 -c "import uv; print(uv.find_uv_bin())" 2>/dev/null); then
   "$uv" venv -q -p python3 "$venv"
-  uv_pip() { "$uv" pip install -q --python "$venv/bin/python" "$@"; }
-  if ! uv_pip --index-url "$cpu_index" "${torch_pins[@]}" 2>/dev/null; then
-    echo "sglang venv: no CPU torch 2.14.1 at $cpu_index; PyPI's CUDA build instead (~5 GB more)"
-    uv_pip "${torch_pins[@]}"
-  fi
-  uv_pip --no-deps sglang==0.5.23
-  uv_pip "${deps[@]}" "${torch_pins[@]}"
-  uv_pip -e "$repo[runtime]" "${torch_pins[@]}"
+  install() { "$uv" pip install -q --python "$venv/bin/python" "$@"; }
 else
   python3 -m venv "$venv"
-  pip_i() { "$venv/bin/pip" install -q "$@"; }
-  if ! pip_i --index-url "$cpu_index" "${torch_pins[@]}" 2>/dev/null; then
-    echo "sglang venv: no CPU torch 2.14.1 at $cpu_index; PyPI's CUDA build instead (~5 GB more)"
-    pip_i "${torch_pins[@]}"
-  fi
-  pip_i --no-deps sglang==0.5.23
-  pip_i "${deps[@]}" "${torch_pins[@]}"
-  pip_i -e "$repo[runtime]" "${torch_pins[@]}"
+  install() { "$venv/bin/pip" install -q "$@"; }
 fi
+if ! install --index-url "$cpu_index" "${torch_pins[@]}" 2>/dev/null; then
+  echo "sglang venv: no CPU torch 2.14.1 at $cpu_index; PyPI's CUDA build instead (~5 GB more)"
+  install "${torch_pins[@]}"
+fi
+install --no-deps sglang==0.5.23
+install "${deps[@]}" "${torch_pins[@]}"
+install -e "$repo[runtime]" "${torch_pins[@]}"
 # The venv is whole before the tests start: SGLang's engine module, shardprep's SGLang glue, pytest.
 "$venv/bin/python" -c "import sglang.srt.entrypoints.engine, shardprep, pytest"
 if python3 -c "import sglang" 2>/dev/null; then echo "SGLang leaked into python3's own environment"; exit 1; fi

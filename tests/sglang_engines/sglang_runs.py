@@ -48,8 +48,11 @@ ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 # What every engine of these tests shares: the CPU, torch-native attention (the default on x86, intel_amx, needs
-# the compiled sgl_kernel), no CUDA graphs, a small KV pool, SGLang's default dtype for the checkpoint (bfloat16).
-BASE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True, "mem_fraction_static": 0.05,
+# the compiled sgl_kernel), no CUDA graphs, bfloat16, and a small KV pool: on the CPU SGLang sizes it from the
+# host's free memory, which other processes move by gigabytes while a model loads (at mem_fraction_static 0.05
+# SGLang once found "no memory left for the KV cache"), so the fraction leaves room and max_total_tokens caps it.
+BASE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True, "mem_fraction_static": 0.3,
+        "max_total_tokens": 4096,
         "context_length": 128, "max_running_requests": 8, "random_seed": 0, "log_level": "info",
         "disable_radix_cache": True, "skip_server_warmup": True, "dtype": "bfloat16"}
 PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "torch_native_fill:register"}

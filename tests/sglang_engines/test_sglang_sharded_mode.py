@@ -1,7 +1,7 @@
 """SGLang's `--load-format shardprep`, sharded mode, under DP attention on SGLang 0.5.23 on the CPU (tiny Qwen3-MoE,
 `tp_size=2, dp_size=2, enable_dp_attention=True`: attention TP 1, two DP ranks, one shard group of two): the
 tokens of full mode and of SGLang's own loader from the source, bit for bit, under an uneven load; each rank logs
-its startup line, before SGLang sizes its KV pool.
+its startup line, before SGLang sizes its KV pool, and builds its targets' weights without storage.
 
 The load is uneven: three requests asking for 8, 2 and 6 tokens over two DP ranks, so one rank is done first
 and runs SGLang's IDLE batches while the other decodes. Its gathers must pair with the busy rank's (gloo
@@ -69,6 +69,14 @@ def test_each_dp_rank_logs_its_resident_bytes_against_full_weights_from_its_own_
         assert served == str(out) and rank_file == rank
         assert int(resident) == int(own) + int(slots)
         assert int(own) < int(full)  # the rank holds half of the targets; with the slots, tiny models hold more
+
+
+def test_each_dp_rank_builds_every_bound_weight_without_storage(engines):
+    # Qwen3-MoE without a shared expert: qkv_proj and o_proj per bound layer, none ever allocated whole.
+    lines = re.findall(r"shardprep: DP rank \d of 2 serves .*?(\d+) layers bound .*?; (\d+) target weights built "
+                       r"without storage", engines[1])
+    assert len(lines) == 2, lines
+    assert all(int(made) == 2 * int(layers) > 0 for layers, made in lines), lines
 
 
 def test_sharding_is_finished_before_sglang_sizes_each_ranks_kv_pool(engines):

@@ -8,6 +8,8 @@
 - Reading the worker's parallel layout for sharded mode (`current_layout`): DP attention's rank and size, the
   attention TP size, whether the DP ranks step together (they do under DP attention: an idle rank runs SGLang's
   IDLE batches through every layer).
+- Building the model: a linear layer creates its weight in its method's `create_weights` while the model's
+  constructor runs; `target_weights_without_storage` makes the targets' weights there without storage.
 - The CPU linear layers: with AMX, SGLang repacks an unquantized weight after loading (`_amx_process_weight_
   after_loading`) for its own kernel; a layer whose weight is swapped in per forward must keep the plain path
   (`keep_plain_linear`).
@@ -17,14 +19,20 @@ Nothing else in shardprep imports SGLang's internals.
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from ...runtime.views import placeholder
 from ..vllm.compat import ParallelLayout
 
+PREFIX = "_shardprep_prefix"
+"""Where a linear layer being built keeps its name while `target_weights_without_storage` is active."""
 LOGGER_NAME = "sglang.shardprep"
 """A child of SGLang's logger, so the lines come out with SGLang's own handler and rank prefix."""
 
@@ -114,3 +122,52 @@ def is_quantized(module: nn.Module) -> bool:
 def logger() -> logging.Logger:
     """The logger the startup line goes to."""
     return logging.getLogger(LOGGER_NAME)
+
+
+@contextmanager
+def target_weights_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[tuple[str, nn.Parameter]]]:
+    """While SGLang builds a model inside this block, give every unquantized linear layer's weight whose name
+    `is_target` accepts no storage: its shape, dtype, device and SGLang attributes, and one element.
+
+    Yields the (name, parameter) pairs made so, for the caller to check that `bind` bound each. SGLang 0.5.23
+    creates a linear layer's weight in `UnquantizedLinearMethod.create_weights(layer, ...)`, called from the
+    layer's constructor, and does not keep the layer's name (`prefix`) on it: `LinearBase.__init__` is wrapped to
+    note it first. The weight is created on the `meta` device (nothing is allocated), then swapped for a
+    zero-stride view of one element on the model's device with the parameter's class and attributes (a `meta`
+    parameter could not be pointed at device memory later, which is what `bind` does). A quantized layer's
+    weights are built as SGLang builds them (sharded mode refuses them later).
+
+    >>> with target_weights_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
+    ...     model = _initialize_model(model_config, load_config, quant_config)
+    """
+    from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    made: list[tuple[str, nn.Parameter]] = []
+    original_init, original_create = LinearBase.__init__, UnquantizedLinearMethod.create_weights
+    prefix_of = inspect.signature(original_init)
+
+    def init(layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+        layer.__dict__[PREFIX] = prefix_of.bind(layer, *args, **kwargs).arguments.get("prefix", "")
+        original_init(layer, *args, **kwargs)
+
+    def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        name = f"{layer.__dict__.get(PREFIX, '')}.weight"
+        if not is_target(name):
+            return original_create(method, layer, *args, **kwargs)
+        with torch.device("meta"):  # inside SGLang's `with target_device:`, the innermost context wins
+            result = original_create(method, layer, *args, **kwargs)
+        built: Any = layer._parameters["weight"]
+        weight = nn.Parameter(placeholder(built.shape, built.dtype), requires_grad=False)  # the model's device
+        weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
+        layer.register_parameter("weight", weight)
+        made.append((name, weight))
+        return result
+
+    LinearBase.__init__ = init
+    UnquantizedLinearMethod.create_weights = create_weights
+    try:
+        yield made
+    finally:
+        LinearBase.__init__ = original_init
+        UnquantizedLinearMethod.create_weights = original_create

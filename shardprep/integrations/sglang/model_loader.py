@@ -17,11 +17,12 @@ from sglang.srt.model_loader.loader import (
 from sglang.srt.model_loader.utils import set_default_torch_dtype
 from torch import nn
 
+from ...errors import ShardprepError
 from ...manifests.manifest import load_manifest
 from ...runtime.binding import Binding
 from ..load_options import ShardprepLoadOptions
 from ..output_weights import output_weights
-from ..vllm.sharded_mode import load_sharded, startup_line
+from ..vllm.sharded_mode import bound_later, load_sharded, parameter_names, startup_line
 from . import compat
 
 
@@ -60,13 +61,23 @@ class ShardprepModelLoader(DefaultModelLoader):
             return super().load_model(model_config=model_config, device_config=device_config)
         directory = model_config.model_path
         device = torch.device(device_config.device)
+        manifest = load_manifest(directory)
         quant_config = _get_quantization_config(model_config, self.load_config)
         with set_default_torch_dtype(model_config.dtype):
-            with device:
+            # The targets' weights are built without storage, so no rank ever holds them whole: the load peaks
+            # at its steady state.
+            with device, compat.target_weights_without_storage(bound_later(manifest)) as made:
                 model = _initialize_model(model_config, self.load_config, quant_config)
             self.binding, processed = load_sharded(
                 model, directory, compat.current_layout(device), compat.keep_plain_linear, self.options.verify,
-                self.options.shard_group_size, self.options.allow_cross_node_groups, is_quantized=compat.is_quantized)
+                self.options.shard_group_size, self.options.allow_cross_node_groups, manifest=manifest,
+                is_quantized=compat.is_quantized)
+            bound = parameter_names(model, {id(p) for p in self.binding.target_parameters.values()})
+            unbound = [name for name, _ in made if name not in bound]
+            if unbound:
+                raise ShardprepError(f"{unbound[0]!r} was built without storage as a target of {directory}, but no "
+                                     "manifest tensor was bound to it; was the directory converted from this model?")
             DefaultModelLoader.postprocess_weights(model, device)
-        compat.logger().info(startup_line(self.binding, directory, processed))
+        compat.logger().info(startup_line(self.binding, directory, processed)
+                             + f"; {len(made)} target weights built without storage")
         return model.eval()

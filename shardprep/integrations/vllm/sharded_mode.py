@@ -25,7 +25,7 @@ from ...loader.rank_shards import iter_replicated, open_rank
 from ...manifests.manifest import Manifest, load_manifest
 from ...manifests.shard_groups import group_size_problem
 from ...planning.accounting import account
-from ...runtime.binding import Binding, bind
+from ...runtime.binding import Binding, bind, split_layer_name
 from ...runtime.gatherer import LayerGatherer
 from ...runtime.shard_groups import shard_group
 from ..output_weights import check_all_loaded
@@ -167,3 +167,21 @@ def parameter_names(model: nn.Module, ids: set[int]) -> set[str]:
     >>> parameter_names(model, {id(p) for p in binding.target_parameters.values()})  # doctest: +SKIP
     """
     return {name for name, p in model.named_parameters() if id(p) in ids}
+
+
+def bound_later(manifest: Manifest) -> Callable[[str], bool]:
+    """Whether a model parameter name is one `bind` will bind: a target or fused view of the manifest, matched
+    as `bind` matches it, by layer index and the name inside the layer (`model.layers.3.self_attn.o_proj.weight`
+    → (3, `self_attn.o_proj.weight`)), whatever the model calls its layer list.
+
+    >>> is_target = bound_later(load_manifest("out/"))  # doctest: +SKIP
+    >>> model_name_is_target = is_target("model.layers.1.self_attn.qkv_proj.weight")  # doctest: +SKIP
+    """
+    inside = {(r.layer, split_layer_name(name, r.layer)[1]) for r in manifest.layers
+              for name in [*(e.name for e in r.entries), *(v.name for v in r.views)]}
+
+    def is_target(name: str) -> bool:
+        parts = name.split(".")
+        return any(p.isdigit() and (int(p), ".".join(parts[k + 1:])) in inside for k, p in enumerate(parts) if k)
+
+    return is_target
