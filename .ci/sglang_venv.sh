@@ -41,6 +41,6 @@ install --no-deps sglang==0.5.23
 install "${deps[@]}" "${torch_pins[@]}"
 install -e "$repo[runtime]" "${torch_pins[@]}"
 # The venv is whole before the tests start: SGLang's engine module, shardprep's SGLang glue, pytest.
-"$venv/bin/python" -c "import sglang.srt.entrypoints.engine, shardprep, pytest"
+"$venv/bin/python" -c "import sglang.srt.entrypoints.engine, shardprep.integrations.sglang.model_loader, pytest"
 if python3 -c "import sglang" 2>/dev/null; then echo "SGLang leaked into python3's own environment"; exit 1; fi
 echo "sglang venv: built in $((SECONDS - start)) s, $(du -sh "$venv" | cut -f1)"
