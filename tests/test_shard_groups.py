@@ -197,7 +197,7 @@ def test_vllm_sharded_mode_takes_data_parallel_sizes_that_are_multiples_of_n(wor
 
 
 def test_vllm_options_take_a_shard_group_size_and_refuse_a_bad_one():
-    from shardprep.integrations.vllm.options import ShardprepLoadOptions
+    from shardprep.integrations.load_options import ShardprepLoadOptions
 
     options = ShardprepLoadOptions.from_extra_config({"shard_weights": True, "shard_group_size": 8,
                                                       "allow_cross_node_groups": True})

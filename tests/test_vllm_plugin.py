@@ -16,9 +16,9 @@ from checkpoints import read_state_dict
 from torch import nn
 
 from shardprep.errors import ManifestError, RuntimeShardError, ShardprepError
+from shardprep.integrations.load_options import ShardprepLoadOptions
+from shardprep.integrations.output_weights import check_all_loaded, output_weights
 from shardprep.integrations.vllm.compat import ParallelLayout
-from shardprep.integrations.vllm.full_mode import check_all_loaded, output_weights
-from shardprep.integrations.vllm.options import ShardprepLoadOptions
 from shardprep.integrations.vllm.sharded_mode import check_layout, load_sharded
 from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
@@ -11,12 +9,13 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ...errors import ShardprepError
 from ...manifests.manifest import Manifest, load_manifest
-from ...runtime.binding import Binding, split_layer_name
+from ...runtime.binding import Binding
 from ...runtime.layer_ops import SPLITTING_OPS
+from ..load_options import ShardprepLoadOptions
 from . import compat
 from .full_mode import load_full
-from .options import ShardprepLoadOptions
 from .sharded_mode import (
+    bound_later,
     draft_startup_line,
     load_draft,
     load_sharded,
@@ -116,23 +115,3 @@ class ShardprepModelLoader(BaseModelLoader):
                     "shardprep: additional_config is not a dict, so vLLM's compile cache cannot tell this sharded "
                     "model's graphs from full mode's; set VLLM_DISABLE_COMPILE_CACHE=1")
         return model
-
-
-def bound_later(manifest: Manifest, draft: bool = False) -> Callable[[str], bool]:
-    """Whether a model parameter name is one `bind` will bind: a target or fused view of the manifest, matched
-    as `bind` matches it, by layer index and the name inside the layer (`model.layers.3.self_attn.o_proj.weight`
-    → (3, `self_attn.o_proj.weight`)), whatever the model calls its layer list. The target model's layers, or with
-    `draft` the draft's (`manifest.draft`: vLLM's DeepSeekMTP names its block's linear layers as the checkpoint does).
-
-    >>> is_target = bound_later(load_manifest("out/"))  # doctest: +SKIP
-    >>> model_name_is_target = is_target("model.layers.1.self_attn.qkv_proj.weight")  # doctest: +SKIP
-    """
-    records = manifest.draft_records if draft else manifest.target_records
-    inside = {(r.layer, split_layer_name(name, r.layer)[1]) for r in records
-              for name in [*(e.name for e in r.entries), *(v.name for v in r.views)]}
-
-    def is_target(name: str) -> bool:
-        parts = name.split(".")
-        return any(p.isdigit() and (int(p), ".".join(parts[k + 1:])) in inside for k, p in enumerate(parts) if k)
-
-    return is_target

@@ -32,11 +32,11 @@ from ...manifests.manifest import Manifest, load_manifest
 from ...manifests.shard_groups import group_size_problem
 from ...manifests.strict_json import read_json_file
 from ...planning.accounting import account, draft_account
-from ...runtime.binding import Binding, bind, bind_draft
+from ...runtime.binding import Binding, bind, bind_draft, split_layer_name
 from ...runtime.gatherer import LayerGatherer
 from ...runtime.shard_groups import shard_group
+from ..output_weights import check_all_loaded
 from .compat import ParallelLayout
-from .full_mode import check_all_loaded
 from .processed_layers import PlaceholderGatherer, ProcessedLayers, needs_processing, process_layers
 
 # Per process, the target's binding of each directory served with its draft: the draft model, loaded after the
@@ -265,3 +265,23 @@ def parameter_names(model: nn.Module, ids: set[int]) -> set[str]:
     >>> parameter_names(model, {id(p) for p in binding.target_parameters.values()})  # doctest: +SKIP
     """
     return {name for name, p in model.named_parameters() if id(p) in ids}
+
+
+def bound_later(manifest: Manifest, draft: bool = False) -> Callable[[str], bool]:
+    """Whether a model parameter name is one `bind` will bind: a target or fused view of the manifest, matched
+    as `bind` matches it, by layer index and the name inside the layer (`model.layers.3.self_attn.o_proj.weight`
+    → (3, `self_attn.o_proj.weight`)), whatever the model calls its layer list. The target model's layers, or with
+    `draft` the draft's (`manifest.draft`: vLLM's DeepSeekMTP names its block's linear layers as the checkpoint does).
+
+    >>> is_target = bound_later(load_manifest("out/"))  # doctest: +SKIP
+    >>> model_name_is_target = is_target("model.layers.1.self_attn.qkv_proj.weight")  # doctest: +SKIP
+    """
+    records = manifest.draft_records if draft else manifest.target_records
+    inside = {(r.layer, split_layer_name(name, r.layer)[1]) for r in records
+              for name in [*(e.name for e in r.entries), *(v.name for v in r.views)]}
+
+    def is_target(name: str) -> bool:
+        parts = name.split(".")
+        return any(p.isdigit() and (int(p), ".".join(parts[k + 1:])) in inside for k, p in enumerate(parts) if k)
+
+    return is_target

@@ -1,4 +1,5 @@
-"""The plugin's options, read from vLLM's `model_loader_extra_config` (a JSON dict)."""
+"""The load format's options, read from the server's `model_loader_extra_config` (a JSON dict; vLLM and SGLang
+spell it the same way, `--model-loader-extra-config` on their command lines)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ...errors import ShardprepError
+from ..errors import ShardprepError
 
 
 @dataclass(frozen=True)

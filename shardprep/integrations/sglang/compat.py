@@ -1,0 +1,173 @@
+"""Everything that depends on SGLang's version (0.5.23), in one place.
+
+- Registering the load format. SGLang's named load formats are a closed enum (`LoadFormat(name)` raises on an
+  unknown name), but a `LoadConfig` may carry a loader class instead (`get_model_loader`: `isinstance(load_format,
+  type)`). So the name is added to the command line's choices (`add_load_format_choices`, SGLang's own extension
+  point), and a HookRegistry BEFORE hook on `LoadConfig._verify_load_format` turns the name into the class before
+  the enum sees it.
+- Reading the worker's parallel layout for sharded mode (`current_layout`): DP attention's rank and size, the
+  attention TP size, whether the DP ranks step together (they do under DP attention: an idle rank runs SGLang's
+  IDLE batches through every layer).
+- Building the model: a linear layer creates its weight in its method's `create_weights` while the model's
+  constructor runs; `target_weights_without_storage` makes the targets' weights there without storage.
+- The CPU linear layers: with AMX, SGLang repacks an unquantized weight after loading (`_amx_process_weight_
+  after_loading`) for its own kernel; a layer whose weight is swapped in per forward must keep the plain path
+  (`keep_plain_linear`).
+
+Nothing else in shardprep imports SGLang's internals.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...runtime.views import placeholder
+from ..vllm.compat import ParallelLayout
+
+PREFIX = "_shardprep_prefix"
+"""Where a linear layer being built keeps its name while `target_weights_without_storage` is active."""
+LOGGER_NAME = "sglang.shardprep"
+"""A child of SGLang's logger, so the lines come out with SGLang's own handler and rank prefix."""
+
+VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
+
+
+def register_load_format(name: str, loader: type) -> None:
+    """Make `load_format=name` (Engine keyword, `--load-format` flag) select `loader`; idempotent.
+
+    >>> register_load_format("shardprep", ShardprepModelLoader)  # doctest: +SKIP
+    """
+    from sglang.srt.arg_groups.choices import LOAD_FORMAT_CHOICES, add_load_format_choices
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if name in LOAD_FORMAT_CHOICES:
+        return
+
+    def name_to_class(config: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(config.load_format, str) and config.load_format.lower() == name:
+            config.load_format = loader
+        return None
+
+    add_load_format_choices([name])
+    HookRegistry.register(VERIFY_LOAD_FORMAT, name_to_class, HookType.BEFORE)
+
+
+def current_layout(device: torch.device) -> ParallelLayout:
+    """The layout of the scheduler process that is loading the model (call it inside the loader's load_model).
+
+    Under DP attention SGLang's DP ranks are its attention-DP ranks; the attention TP size is what sharded mode
+    needs to be 1 (each DP rank computes whole attention heads from whole weights).
+    """
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.runtime_context import get_parallel, get_server_args
+
+    parallel, args = get_parallel(), get_server_args()
+    dp_attention = is_dp_attention_enabled()
+    world = torch.distributed.get_world_size()
+    dp_size = parallel.attn_dp_size if dp_attention else 1
+    attn_tp = world // (dp_size * args.pp_size)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return ParallelLayout(
+        dp_rank=parallel.attn_dp_rank if dp_attention else 0,
+        dp_size=dp_size,
+        dp_world_ranks=tuple(range(world)) if attn_tp == 1 else (),
+        tp_size=attn_tp,
+        pp_size=args.pp_size,
+        lockstep_dp=dp_attention,
+        eager=bool(args.disable_cuda_graph) and not args.enable_torch_compile,
+        device=device,
+        platform=device.type,
+    )
+
+
+class PlainLinearMethod:
+    """A linear layer's quantization method, but its weight is left as loaded (no repacking after loading)."""
+
+    def __init__(self, method: Any):
+        self.method = method
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        return None  # the weight is a gathered view, rebound every forward: it must stay plain
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.method, name)
+
+
+def keep_plain_linear(module: nn.Module) -> None:
+    """Keep `module`'s weight a parameter that its forward reads each time: SGLang's CPU linear method repacks it
+    for AMX after loading (and then reads only the packed copy); the plain path is `F.linear` on `.weight`."""
+    method = getattr(module, "quant_method", None)
+    if method is not None and not isinstance(method, PlainLinearMethod):
+        module.quant_method = PlainLinearMethod(method)  # type: ignore[assignment]  # an attribute of the layer
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """Whether SGLang built `module` with a quantized linear method (sharded mode does not process those yet)."""
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    method = getattr(module, "quant_method", None)
+    if isinstance(method, PlainLinearMethod):
+        method = method.method
+    return method is not None and not isinstance(method, UnquantizedLinearMethod)
+
+
+def logger() -> logging.Logger:
+    """The logger the startup line goes to."""
+    return logging.getLogger(LOGGER_NAME)
+
+
+@contextmanager
+def target_weights_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[tuple[str, nn.Parameter]]]:
+    """While SGLang builds a model inside this block, give every unquantized linear layer's weight whose name
+    `is_target` accepts no storage: its shape, dtype, device and SGLang attributes, and one element.
+
+    Yields the (name, parameter) pairs made so, for the caller to check that `bind` bound each. SGLang 0.5.23
+    creates a linear layer's weight in `UnquantizedLinearMethod.create_weights(layer, ...)`, called from the
+    layer's constructor, and does not keep the layer's name (`prefix`) on it: `LinearBase.__init__` is wrapped to
+    note it first. The weight is created on the `meta` device (nothing is allocated), then swapped for a
+    zero-stride view of one element on the model's device with the parameter's class and attributes (a `meta`
+    parameter could not be pointed at device memory later, which is what `bind` does). A quantized layer's
+    weights are built as SGLang builds them (sharded mode refuses them later).
+
+    >>> with target_weights_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
+    ...     model = _initialize_model(model_config, load_config, quant_config)
+    """
+    from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    made: list[tuple[str, nn.Parameter]] = []
+    original_init, original_create = LinearBase.__init__, UnquantizedLinearMethod.create_weights
+    prefix_of = inspect.signature(original_init)
+
+    def init(layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+        layer.__dict__[PREFIX] = prefix_of.bind(layer, *args, **kwargs).arguments.get("prefix", "")
+        original_init(layer, *args, **kwargs)
+
+    def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        name = f"{layer.__dict__.get(PREFIX, '')}.weight"
+        if not is_target(name):
+            return original_create(method, layer, *args, **kwargs)
+        with torch.device("meta"):  # inside SGLang's `with target_device:`, the innermost context wins
+            result = original_create(method, layer, *args, **kwargs)
+        built: Any = layer._parameters["weight"]
+        weight = nn.Parameter(placeholder(built.shape, built.dtype), requires_grad=False)  # the model's device
+        weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
+        layer.register_parameter("weight", weight)
+        made.append((name, weight))
+        return result
+
+    LinearBase.__init__ = init
+    UnquantizedLinearMethod.create_weights = create_weights
+    try:
+        yield made
+    finally:
+        LinearBase.__init__ = original_init
+        UnquantizedLinearMethod.create_weights = original_create

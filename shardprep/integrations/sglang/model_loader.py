@@ -1,0 +1,83 @@
+"""The model loader behind SGLang's `--load-format shardprep`: full mode or sharded mode, per the options."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import torch
+from sglang.srt.configs.device_config import DeviceConfig
+from sglang.srt.configs.load_config import LoadConfig
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_loader.loader import (
+    BaseModelLoader,
+    DefaultModelLoader,
+    _get_quantization_config,
+    _initialize_model,
+)
+from sglang.srt.model_loader.utils import set_default_torch_dtype
+from torch import nn
+
+from ...errors import ShardprepError
+from ...manifests.manifest import load_manifest
+from ...runtime.binding import Binding
+from ..load_options import ShardprepLoadOptions
+from ..output_weights import output_weights
+from ..vllm.sharded_mode import bound_later, load_sharded, parameter_names, startup_line
+from . import compat
+
+
+class ShardprepModelLoader(DefaultModelLoader):
+    """Load an SGLang model from a `shardprep convert` output directory (`model_config.model_path`).
+
+    Full mode: SGLang builds the model, quantization and post-processing included, exactly as for the source
+    checkpoint (DefaultModelLoader.load_model); only the weights come from the output, every tensor of the
+    source checkpoint under its checkpoint name, the targets rebuilt from all rank files, each checksum checked
+    (`verify`), under the output's swap lock while read.
+
+    Sharded mode (`model_loader_extra_config={"shard_weights": true}`, DP attention with attention TP 1): each DP
+    rank maps only its own rank file, binds the model's targets to a gatherer's views over its shard group (one
+    gather per layer, one layer ahead, two slots) and loads only the other weights; this happens inside
+    `load_model`, before SGLang sizes its KV pool from the memory left. A quantized target is refused (SGLang's
+    post-load processing of quantized layers is not wired to sharded mode yet).
+
+    >>> sgl.Engine(model_path="out/", load_format="shardprep")  # doctest: +SKIP
+    """
+
+    def __init__(self, load_config: LoadConfig):
+        # BaseModelLoader's, not DefaultModelLoader's: that one refuses any extra-config key but its own.
+        BaseModelLoader.__init__(self, load_config)
+        self.options = ShardprepLoadOptions.from_extra_config(load_config.model_loader_extra_config)
+        self.binding: Binding | None = None
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        load_manifest(model_config.model_path)  # nothing to download: a local output directory, or a clear refusal
+
+    def _get_all_weights(self, model_config: ModelConfig, model: nn.Module
+                         ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        yield from output_weights(model_config.model_path, self.options.verify)
+
+    def load_model(self, *, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
+        if not self.options.shard_weights:
+            return super().load_model(model_config=model_config, device_config=device_config)
+        directory = model_config.model_path
+        device = torch.device(device_config.device)
+        manifest = load_manifest(directory)
+        quant_config = _get_quantization_config(model_config, self.load_config)
+        with set_default_torch_dtype(model_config.dtype):
+            # The targets' weights are built without storage, so no rank ever holds them whole: the load peaks
+            # at its steady state.
+            with device, compat.target_weights_without_storage(bound_later(manifest)) as made:
+                model = _initialize_model(model_config, self.load_config, quant_config)
+            self.binding, processed = load_sharded(
+                model, directory, compat.current_layout(device), compat.keep_plain_linear, self.options.verify,
+                self.options.shard_group_size, self.options.allow_cross_node_groups, manifest=manifest,
+                is_quantized=compat.is_quantized)
+            bound = parameter_names(model, {id(p) for p in self.binding.target_parameters.values()})
+            unbound = [name for name, _ in made if name not in bound]
+            if unbound:
+                raise ShardprepError(f"{unbound[0]!r} was built without storage as a target of {directory}, but no "
+                                     "manifest tensor was bound to it; was the directory converted from this model?")
+            DefaultModelLoader.postprocess_weights(model, device)
+        compat.logger().info(startup_line(self.binding, directory, processed)
+                             + f"; {len(made)} target weights built without storage")
+        return model.eval()

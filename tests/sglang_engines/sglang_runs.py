@@ -1,0 +1,137 @@
+"""Run a list of SGLang engines one after another in one process and record each one's greedy tokens or its error.
+
+`python tests/sglang_engines/sglang_runs.py PLAN.json RESULTS.json` (inside the SGLang virtual environment,
+.ci/sglang_venv.sh). Tests call `run_engines(plan, workdir)`, which runs this script in a subprocess with the
+test plugins declared (below) and keeps everything it prints in `workdir/engines.log`.
+
+Importing SGLang and starting its scheduler processes is the cost of these tests (tens of seconds per engine on two
+cores), so one process runs every engine of a module's plan. SGLang's `Engine` drives its data-parallel ranks
+itself (one scheduler process per DP rank, requests dealt out by its DP controller), so an uneven load is a batch
+whose requests ask for different numbers of tokens: the rank that finishes first keeps stepping on SGLang's dummy
+batches while the other still decodes.
+
+The test plugins, each documented in its file, are declared here as `sglang.srt.plugins` entry points of a
+directory on PYTHONPATH (SGLang loads them in every one of its processes): gloo_groups.py (parallel groups without
+PyNccl) and torch_native_fill.py (the torch-native backend's `get_cpu_graph_seq_len_fill_value`), and
+stand_ins/sgl_kernel.py is put on PYTHONPATH as the module `sgl_kernel`. shardprep's own plugin
+(`--load-format shardprep`) comes from its installed entry point, as for any user.
+
+A scheduler that fails while the model loads sends SIGQUIT to the engine's process, whose default handler kills
+the whole process tree, this runner included; a run marked `"refusal": true` installs a handler that only notes
+it (SGLang's `custom_sigquit_handler`), so the engine raises instead and the next run can start.
+
+PLAN: {"env" (optional: variables for every engine), "runs": [{"name", "model", "engine" (sgl.Engine kwargs, on
+top of BASE), "prompts", "max_tokens" (one per prompt), "refusal" (optional)}]}.
+RESULTS: {name: {"tokens": [[ids] per prompt], "max_total_num_tokens": int} or {"error": "Type: message"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import gloo_groups
+import torch_native_fill
+
+HERE = Path(__file__).parent
+ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "SGLANG_CPU_OMP_THREADS_BIND": "0|1",  # one core per rank: SGLang's CPU path binds each TP/DP rank's threads
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+# What every engine of these tests shares: the CPU, torch-native attention (the default on x86, intel_amx, needs
+# the compiled sgl_kernel), no CUDA graphs, bfloat16, and a small KV pool: on the CPU SGLang sizes it from the
+# host's free memory, which other processes move by gigabytes while a model loads (at mem_fraction_static 0.05
+# SGLang once found "no memory left for the KV cache"), so the fraction leaves room and max_total_tokens caps it.
+BASE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True, "mem_fraction_static": 0.3,
+        "max_total_tokens": 4096,
+        "context_length": 128, "max_running_requests": 8, "random_seed": 0, "log_level": "info",
+        "disable_radix_cache": True, "skip_server_warmup": True, "dtype": "bfloat16"}
+PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "torch_native_fill:register"}
+
+
+def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict, str]:
+    """Run `plan` in a fresh process; (results, everything it and SGLang's processes printed)."""
+    plan_path, results_path, log_path = workdir / "plan.json", workdir / "results.json", workdir / "engines.log"
+    plan_path.write_text(json.dumps(plan))
+    plugins = workdir / "plugins"
+    for name, entry in PLUGINS.items():
+        declare_sglang_plugin(plugins, name, entry)
+    path = os.pathsep.join(p for p in (str(HERE), str(HERE / "stand_ins"), str(plugins), os.environ.get("PYTHONPATH"))
+                           if p)
+    env = {**os.environ, **ENV, "PYTHONPATH": path}
+    with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs
+        done = subprocess.run([sys.executable, __file__, str(plan_path), str(results_path)], stdout=log,
+                              stderr=subprocess.STDOUT, timeout=timeout, env=env)
+    output = log_path.read_text()
+    record_engine_times(output, workdir)
+    assert done.returncode == 0 and results_path.exists(), output[-6000:]
+    return json.loads(results_path.read_text()), output
+
+
+def record_engine_times(output: str, workdir: Path) -> None:
+    """Append the run's ENGINE-TIME lines to the file ENGINE_TIMES names (CI sets it), tagged with the test's
+    working directory."""
+    target = os.environ.get("ENGINE_TIMES")
+    if target:
+        with open(target, "a") as f:
+            f.writelines(f"{workdir.name}: {hit}\n" for hit in re.findall(r"ENGINE-TIME .*? generate [\d.]+ s", output))
+
+
+def declare_sglang_plugin(directory: Path, name: str, entry: str) -> None:
+    """Make `directory` (on PYTHONPATH) declare `entry` ("module:function") as an SGLang general plugin."""
+    meta = directory / f"{name}-0.dist-info"
+    meta.mkdir(parents=True, exist_ok=True)
+    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0\n")
+    (meta / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{name} = {entry}\n")
+
+
+def noted_sigquit(signum: int, frame: object) -> None:
+    print("sglang_runs: a scheduler failed (SIGQUIT); the engine raises", flush=True)
+
+
+def run_plan(plan: dict) -> dict[str, dict]:
+    import sglang as sgl
+
+    results: dict[str, dict] = {}
+    for number, run in enumerate(plan["runs"]):
+        engine = None
+        started = time.monotonic()
+        try:
+            # Ports of their own: an engine's ports stay taken a while after its shutdown (TIME_WAIT).
+            port = 20000 + 500 * number + os.getpid() % 400
+            extra = {"custom_sigquit_handler": noted_sigquit} if run.get("refusal") else {}
+            engine = sgl.Engine(model_path=run["model"], port=port, **{**BASE, **run["engine"]}, **extra)
+            ready = time.monotonic()
+            params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in run["max_tokens"]]
+            outputs = engine.generate(run["prompts"], params)
+            print(f"ENGINE-TIME {run['name']!r}: start {ready - started:.1f} s, "
+                  f"generate {time.monotonic() - ready:.1f} s", flush=True)
+            info = engine.get_server_info()
+            results[run["name"]] = {"tokens": [o["output_ids"] for o in outputs],
+                                    "max_total_num_tokens": info.get("max_total_num_tokens")}
+        except Exception as exc:  # recorded: the refusal cases expect one
+            traceback.print_exc()
+            results[run["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            if engine is not None:
+                engine.shutdown()
+    return results
+
+
+def main(plan_path: str, results_path: str) -> None:
+    plan = json.loads(Path(plan_path).read_text())
+    os.environ.update(plan.get("env", {}))
+    Path(results_path).write_text(json.dumps(run_plan(plan)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,88 @@
+"""SGLang's `--load-format shardprep`, sharded mode, under DP attention on SGLang 0.5.23 on the CPU (tiny Qwen3-MoE,
+`tp_size=2, dp_size=2, enable_dp_attention=True`: attention TP 1, two DP ranks, one shard group of two): the
+tokens of full mode and of SGLang's own loader from the source, bit for bit, under an uneven load; each rank logs
+its startup line, before SGLang sizes its KV pool, and builds its targets' weights without storage.
+
+The load is uneven: three requests asking for 8, 2 and 6 tokens over two DP ranks, so one rank is done first
+and runs SGLang's IDLE batches while the other decodes. Its gathers must pair with the busy rank's (gloo
+collectives over the shard group): a rank that stopped gathering would hang the other, and the test would time
+out instead of comparing tokens.
+
+Every engine of this module runs in one process (sglang_runs.py). Skipped where SGLang is not installed.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("sglang")
+pytestmark = pytest.mark.timeout(1800)
+
+from sglang_runs import run_engines  # noqa: E402
+
+from shardprep.prep.convert import convert  # noqa: E402
+
+PROMPTS = ["hello world", "a b c", "the model shard weights"]
+TOKENS = [8, 2, 6]
+DP_ATTENTION = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}
+SHARDED = {"model_loader_extra_config": '{"shard_weights": true}'}
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint_cache, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang-sharded")
+    src = checkpoint_cache("qwen3-moe", layers=4)
+    out = root / "out"
+    convert(src, out, 2, preset="qwen3-moe")
+
+    def run(name, model, **engine):
+        return {"name": name, "model": str(model), "engine": {**DP_ATTENTION, **engine}, "prompts": PROMPTS,
+                "max_tokens": TOKENS}
+
+    plan = {"runs": [run("source", src), run("full", out, load_format="shardprep"),
+                     run("sharded", out, load_format="shardprep", **SHARDED)]}
+    results, log = run_engines(plan, root)
+    return results, log, out
+
+
+def test_sharded_mode_gives_full_modes_tokens_bit_for_bit_under_dp_attention_with_uneven_load(engines):
+    results = engines[0]
+    assert "tokens" in results["full"], results["full"]
+    assert [len(t) for t in results["full"]["tokens"]] == TOKENS
+    assert results["sharded"]["tokens"] == results["full"]["tokens"]
+
+
+def test_full_mode_under_dp_attention_gives_sglangs_own_tokens_from_the_source(engines):
+    results = engines[0]
+    assert "tokens" in results["source"], results["source"]
+    assert results["full"]["tokens"] == results["source"]["tokens"]
+
+
+def test_each_dp_rank_logs_its_resident_bytes_against_full_weights_from_its_own_rank_file(engines):
+    _, log, out = engines
+    lines = re.findall(r"shardprep: DP rank (\d) of 2 serves (\S+) sharded: .*?resident target bytes (\d+) = "
+                       r"R/N (\d+) \+ 2 slots (\d+) .*?against (\d+) for full weights; .*?rank file (\d) of 2", log)
+    assert sorted(line[0] for line in lines) == ["0", "1"], lines
+    for rank, served, resident, own, slots, full, rank_file in lines:
+        assert served == str(out) and rank_file == rank
+        assert int(resident) == int(own) + int(slots)
+        assert int(own) < int(full)  # the rank holds half of the targets; with the slots, tiny models hold more
+
+
+def test_each_dp_rank_builds_every_bound_weight_without_storage(engines):
+    # Qwen3-MoE without a shared expert: qkv_proj and o_proj per bound layer, none ever allocated whole.
+    lines = re.findall(r"shardprep: DP rank \d of 2 serves .*?(\d+) layers bound .*?; (\d+) target weights built "
+                       r"without storage", engines[1])
+    assert len(lines) == 2, lines
+    assert all(int(made) == 2 * int(layers) > 0 for layers, made in lines), lines
+
+
+def test_sharding_is_finished_before_sglang_sizes_each_ranks_kv_pool(engines):
+    log = engines[1]
+    sharded = log.split("ENGINE-TIME 'full'")[1]  # what the sharded engine (the plan's last) logged
+    for rank in ("0", "1"):
+        line = sharded.index(f"shardprep: DP rank {rank} of 2 serves")
+        kv = re.search(rf"DP{rank} TP{rank}\] KV Cache is allocated", sharded)
+        assert kv is not None and line < kv.start()
