@@ -6,6 +6,7 @@ The engines themselves run in tests/vllm_engines/ (inside a virtual environment 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,21 @@ def test_sharded_mode_refuses_layouts_it_cannot_serve(llama_out):
         check_layout(layout(tp_size=2), manifest, out)
     with pytest.raises(ShardprepError, match="needs a MoE model"):
         check_layout(layout(lockstep_dp=False), manifest, out)
+
+
+def test_sharded_modes_refusals_name_sglangs_options_under_sglang(llama_out):
+    from shardprep.integrations.sglang.compat import OPTION_NAMES
+
+    _, out = llama_out
+    manifest = load_manifest(out)
+    with pytest.raises(ShardprepError, match=re.escape(
+            "attention TP (tp_size / dp_size under enable_dp_attention) and pp_size must be 1, got 2 and 1; use "
+            "tp_size = dp_size = 2 (or a multiple) with enable_dp_attention, or full mode")):
+        check_layout(layout(tp_size=2, **OPTION_NAMES), manifest, out)
+    with pytest.raises(ShardprepError, match=re.escape("but SGLang runs dp_size=1 (")):
+        check_layout(layout(dp_size=1, dp_world_ranks=(0,), **OPTION_NAMES), manifest, out)
+    with pytest.raises(ShardprepError, match=re.escape("shard_weights needs DP attention (enable_dp_attention)")):
+        check_layout(layout(lockstep_dp=False, **OPTION_NAMES), manifest, out)
 
 
 def test_sharded_mode_refuses_a_model_whose_layers_it_cannot_find(checkpoint_cache, tmp_path, world_of_one):

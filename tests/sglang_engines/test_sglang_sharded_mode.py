@@ -42,7 +42,10 @@ def engines(checkpoint_cache, tmp_path_factory):
                 "max_tokens": TOKENS}
 
     plan = {"runs": [run("source", src), run("full", out, load_format="shardprep"),
-                     run("sharded", out, load_format="shardprep", **SHARDED)]}
+                     run("sharded", out, load_format="shardprep", **SHARDED),
+                     # Attention TP 2 (no DP attention): refused at load, in SGLang's option names.
+                     {**run("attention tp 2", out, load_format="shardprep", dp_size=1, enable_dp_attention=False,
+                            **SHARDED), "refusal": True}]}
     results, log = run_engines(plan, root)
     return results, log, out
 
@@ -81,8 +84,17 @@ def test_each_dp_rank_builds_every_bound_weight_without_storage(engines):
 
 def test_sharding_is_finished_before_sglang_sizes_each_ranks_kv_pool(engines):
     log = engines[1]
-    sharded = log.split("ENGINE-TIME 'full'")[1]  # what the sharded engine (the plan's last) logged
+    sharded = log.split("ENGINE-TIME 'full'")[1].split("ENGINE-TIME 'sharded'")[0]  # what the sharded engine logged
     for rank in ("0", "1"):
         line = sharded.index(f"shardprep: DP rank {rank} of 2 serves")
         kv = re.search(rf"DP{rank} TP{rank}\] KV Cache is allocated", sharded)
         assert kv is not None and line < kv.start()
+
+
+def test_attention_tp_above_one_is_refused_in_one_line_naming_sglangs_options(engines):
+    results, log, _ = engines
+    assert "tokens" not in results["attention tp 2"], results["attention tp 2"]
+    # The scheduler's traceback carries shardprep's line; SGLang reports the failure in its own words.
+    assert ("shard_weights is DP attention: attention TP (tp_size / dp_size under enable_dp_attention) and pp_size "
+            "must be 1, got 2 and 1; use tp_size = dp_size = 2 (or a multiple) with enable_dp_attention, or full "
+            "mode") in log

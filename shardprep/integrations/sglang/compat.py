@@ -59,6 +59,18 @@ def register_load_format(name: str, loader: type) -> None:
     HookRegistry.register(VERIFY_LOAD_FORMAT, name_to_class, HookType.BEFORE)
 
 
+OPTION_NAMES = {
+    "server": "SGLang",
+    "tp_option": "attention TP (tp_size / dp_size under enable_dp_attention)",
+    "pp_option": "pp_size",
+    "dp_option": "dp_size",
+    "dp_advice": "tp_size = dp_size = {n} (or a multiple) with enable_dp_attention",
+    "without_lockstep": "shard_weights needs DP attention (enable_dp_attention): without it SGLang runs its "
+                        "data-parallel ranks independently",
+}
+"""SGLang's spelling of what sharded mode's refusals tell the user to change (ParallelLayout's defaults are vLLM's)."""
+
+
 def current_layout(device: torch.device) -> ParallelLayout:
     """The layout of the scheduler process that is loading the model (call it inside the loader's load_model).
 
@@ -85,6 +97,7 @@ def current_layout(device: torch.device) -> ParallelLayout:
         eager=bool(args.disable_cuda_graph) and not args.enable_torch_compile,
         device=device,
         platform=device.type,
+        **OPTION_NAMES,
     )
 
 

@@ -74,6 +74,17 @@ class ParallelLayout:
     eager: bool
     device: torch.device
     platform: str
+    server: str = "vLLM"
+    """The server, and below how its options are spelled: refusals name what the user can change."""
+    tp_option: str = "tensor_parallel_size"
+    pp_option: str = "pipeline_parallel_size"
+    dp_option: str = "data_parallel_size"
+    dp_advice: str = "data_parallel_size={n} (or a multiple)"
+    """What to launch instead of attention TP > 1 for a directory converted for `n` ranks."""
+    without_lockstep: str = ("shard_weights needs a MoE model: vLLM runs the data-parallel ranks of a dense model "
+                             "independently (no dummy forwards on idle ranks)")
+    """The refusal's start when `lockstep_dp` is False: what sharded mode needs, and why the ranks do not step
+    together."""
 
 
 def current_layout() -> ParallelLayout:

@@ -65,13 +65,12 @@ def check_layout(layout: ParallelLayout, manifest: Manifest, directory: str | Pa
     n = manifest.world_size
     if layout.tp_size != 1 or layout.pp_size != 1:
         raise ShardprepError(
-            f"shard_weights is DP attention: tensor_parallel_size and pipeline_parallel_size must be 1, got "
-            f"{layout.tp_size} and {layout.pp_size}; use data_parallel_size={n} (or a multiple), or full mode"
+            f"shard_weights is DP attention: {layout.tp_option} and {layout.pp_option} must be 1, got "
+            f"{layout.tp_size} and {layout.pp_size}; use {layout.dp_advice.format(n=n)}, or full mode"
         )
     if n > 1 and not layout.lockstep_dp:
         raise ShardprepError(
-            "shard_weights needs a MoE model: vLLM runs the data-parallel ranks of a dense model independently "
-            "(no dummy forwards on idle ranks), so their gathers could not pair up; serve it in full mode"
+            f"{layout.without_lockstep}, so their gathers could not pair up; serve it in full mode"
         )
     if group_size is not None and group_size != n:
         raise ShardprepError(
@@ -82,7 +81,8 @@ def check_layout(layout: ParallelLayout, manifest: Manifest, directory: str | Pa
     problem = group_size_problem(layout.dp_size, n)
     if problem is not None:
         raise ShardprepError(
-            f"{directory}: converted for {n} ranks, but vLLM runs data_parallel_size={layout.dp_size} ({problem}); "
+            f"{directory}: converted for {n} ranks, but {layout.server} runs {layout.dp_option}={layout.dp_size} "
+            f"({problem}); "
             f"launch a multiple of {n} DP ranks (shard groups of {n} consecutive DP ranks), or re-run `shardprep "
             f"convert --ranks {layout.dp_size}`"
         )
@@ -128,8 +128,9 @@ def load_sharded(
     draft = draft and manifest.draft is not None
     if tuple(layout.dp_world_ranks) != tuple(range(torch.distributed.get_world_size())):
         # Shard groups divide the world: with TP = PP = 1 vLLM's world is the DP ranks, in DP rank order.
-        raise ShardprepError(f"shard_weights: vLLM's DP ranks {list(layout.dp_world_ranks)} are not its whole "
-                             f"torch.distributed world of {torch.distributed.get_world_size()}; serve in full mode")
+        raise ShardprepError(f"shard_weights: {layout.server}'s DP ranks {list(layout.dp_world_ranks)} are not its "
+                             f"whole torch.distributed world of {torch.distributed.get_world_size()}; serve in full "
+                             "mode")
     backend = "gloo" if layout.device.type == "cpu" else "nccl"
     # Groups of their own (even for one group), so that the gathers never interleave with vLLM's collectives.
     group = shard_group(manifest.world_size, backend=backend, own_communicator=True,
