@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -62,9 +61,11 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
     """Run `plan` in a fresh process; (results, everything it and SGLang's processes printed)."""
     plan_path, results_path, log_path = workdir / "plan.json", workdir / "results.json", workdir / "engines.log"
     plan_path.write_text(json.dumps(plan))
+    from engine_harness import declare_plugin, record_engine_times
+
     plugins = workdir / "plugins"
     for name, entry in PLUGINS.items():
-        declare_sglang_plugin(plugins, name, entry)
+        declare_plugin(plugins, "sglang.srt.plugins", name, entry)
     path = os.pathsep.join(p for p in (str(HERE), str(HERE / "stand_ins"), str(plugins), os.environ.get("PYTHONPATH"))
                            if p)
     env = {**os.environ, **ENV, "PYTHONPATH": path}
@@ -75,23 +76,6 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
     record_engine_times(output, workdir)
     assert done.returncode == 0 and results_path.exists(), output[-6000:]
     return json.loads(results_path.read_text()), output
-
-
-def record_engine_times(output: str, workdir: Path) -> None:
-    """Append the run's ENGINE-TIME lines to the file ENGINE_TIMES names (CI sets it), tagged with the test's
-    working directory."""
-    target = os.environ.get("ENGINE_TIMES")
-    if target:
-        with open(target, "a") as f:
-            f.writelines(f"{workdir.name}: {hit}\n" for hit in re.findall(r"ENGINE-TIME .*? generate [\d.]+ s", output))
-
-
-def declare_sglang_plugin(directory: Path, name: str, entry: str) -> None:
-    """Make `directory` (on PYTHONPATH) declare `entry` ("module:function") as an SGLang general plugin."""
-    meta = directory / f"{name}-0.dist-info"
-    meta.mkdir(parents=True, exist_ok=True)
-    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0\n")
-    (meta / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{name} = {entry}\n")
 
 
 def noted_sigquit(signum: int, frame: object) -> None:

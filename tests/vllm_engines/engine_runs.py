@@ -41,7 +41,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -86,27 +85,18 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
         done = subprocess.run([sys.executable, __file__, str(plan_path), str(results_path)], stdout=log,
                               stderr=subprocess.STDOUT, timeout=timeout, env=env)
     output = log_path.read_text()
+    from engine_harness import record_engine_times
+
     record_engine_times(output, workdir)
     assert done.returncode == 0 and results_path.exists(), output[-6000:]
     return json.loads(results_path.read_text()), output
 
 
-def record_engine_times(output: str, workdir: Path) -> None:
-    """Append the run's ENGINE-TIME lines to the file ENGINE_TIMES names (CI sets it), tagged with the test's
-    working directory, so a slow stage can be split into engine start-up and generation."""
-    target = os.environ.get("ENGINE_TIMES")
-    if target:
-        with open(target, "a") as f:
-            # DP ranks print at once, so two lines can share one line of the log: find each by its shape.
-            f.writelines(f"{workdir.name}: {hit}\n" for hit in re.findall(r"ENGINE-TIME .*? generate [\d.]+ s", output))
-
-
 def declare_vllm_plugin(directory: Path, name: str, entry: str) -> None:
     """Make `directory` (on PYTHONPATH) declare `entry` ("module:function") as a vLLM general plugin."""
-    meta = directory / f"{name}-0.dist-info"
-    meta.mkdir(parents=True, exist_ok=True)
-    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0\n")
-    (meta / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{name} = {entry}\n")
+    from engine_harness import declare_plugin
+
+    declare_plugin(directory, "vllm.general_plugins", name, entry)
 
 
 def own_rank_files(out: Path, root: Path, dp_size: int, suffix: str = "") -> list[str]:
