@@ -1,4 +1,4 @@
-"""Processing quantized targets once at load (integrations/vllm/processed_layers.py), in the parts that need no
+"""Processing quantized targets once at load (integrations/processed_layers.py), in the parts that need no
 vLLM: a transformers Llama bound to its rank files, whose o_proj stand in for quantized modules.
 Their "processing" rewrites the bytes the forward reads (the weight negated, a sign parameter added that the
 forward multiplies back), as a server's repacking step rewrites a weight that its kernel undoes. Bound to the
@@ -18,8 +18,8 @@ from spawn_group import run_ranks
 from torch import nn
 
 from shardprep.errors import ShardprepError
+from shardprep.integrations.processed_layers import PlaceholderGatherer, needs_processing, process_layers
 from shardprep.integrations.vllm.compat import process_quantized
-from shardprep.integrations.vllm.processed_layers import PlaceholderGatherer, needs_processing, process_layers
 from shardprep.loader.rank_shards import open_rank
 from shardprep.prep.convert import convert
 from shardprep.runtime.binding import bind

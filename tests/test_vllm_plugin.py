@@ -19,8 +19,8 @@ from torch import nn
 from shardprep.errors import ManifestError, RuntimeShardError, ShardprepError
 from shardprep.integrations.load_options import ShardprepLoadOptions
 from shardprep.integrations.output_weights import check_all_loaded, output_weights
-from shardprep.integrations.vllm.compat import ParallelLayout
-from shardprep.integrations.vllm.sharded_mode import check_layout, load_sharded
+from shardprep.integrations.parallel_layout import ParallelLayout
+from shardprep.integrations.sharded_mode import check_layout, load_sharded
 from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert
 
@@ -46,7 +46,7 @@ def test_importing_shardprep_and_its_vllm_plugin_does_not_import_vllm(tmp_path):
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("")
     code = ("import sys, shardprep, shardprep.integrations.vllm, shardprep.integrations.vllm.full_mode, "
-            "shardprep.integrations.vllm.sharded_mode, shardprep.integrations.vllm.compat; "
+            "shardprep.integrations.sharded_mode, shardprep.integrations.vllm.compat; "
             "import importlib.util; assert importlib.util.find_spec('vllm'); print('vllm' in sys.modules)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)

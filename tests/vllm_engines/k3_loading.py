@@ -183,8 +183,8 @@ def full_mode_against_vllm(source: str, full: str, dp: tuple[int, int, int],
 def sharded_binding(directory: str, ref: dict[str, bytes], dp: tuple[int, int, int]) -> dict[str, Any]:
     """Sharded mode on this rank's `directory`, through `load_model` (vLLM's post-load processing included): what
     each target bound to, and whether each layer's gather gives `ref`'s bytes (the default loader's)."""
+    from shardprep.integrations.sharded_mode import startup_line
     from shardprep.integrations.vllm.model_loader import ShardprepModelLoader
-    from shardprep.integrations.vllm.sharded_mode import startup_line
 
     config = engine_config(directory, "shardprep", {"shard_weights": True}, *dp)
     loader = ShardprepModelLoader(config.load_config)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ...runtime.views import placeholder
-from ..vllm.compat import ParallelLayout
+from ..parallel_layout import ParallelLayout
 
 PREFIX = "_shardprep_prefix"
 """Where a linear layer being built keeps its name while `target_weights_without_storage` is active."""

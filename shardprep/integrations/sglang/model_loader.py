@@ -22,7 +22,7 @@ from ...manifests.manifest import load_manifest
 from ...runtime.binding import Binding
 from ..load_options import ShardprepLoadOptions
 from ..output_weights import output_weights
-from ..vllm.sharded_mode import bound_later, load_sharded, parameter_names, startup_line
+from ..sharded_mode import bound_later, load_sharded, parameter_names, startup_line
 from . import compat
 
 

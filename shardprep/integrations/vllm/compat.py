@@ -27,7 +27,6 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -35,6 +34,7 @@ from torch import nn
 
 from ...errors import ShardprepError
 from ...runtime.views import placeholder
+from ..parallel_layout import ParallelLayout
 
 LOAD_FORMAT = "shardprep"
 LOGGER_NAME = "vllm.shardprep"
@@ -58,33 +58,6 @@ def register_load_format(loader_class: type) -> None:
     from vllm.model_executor.model_loader import register_model_loader
 
     register_model_loader(LOAD_FORMAT)(loader_class)
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Where this worker sits: what the loader needs to know of vLLM's parallel configuration."""
-
-    dp_rank: int
-    dp_size: int
-    dp_world_ranks: tuple[int, ...]
-    tp_size: int
-    pp_size: int
-    lockstep_dp: bool
-    """vLLM runs the DP ranks in lockstep (idle ones take dummy forwards): MoE models only."""
-    eager: bool
-    device: torch.device
-    platform: str
-    server: str = "vLLM"
-    """The server, and below how its options are spelled: refusals name what the user can change."""
-    tp_option: str = "tensor_parallel_size"
-    pp_option: str = "pipeline_parallel_size"
-    dp_option: str = "data_parallel_size"
-    dp_advice: str = "data_parallel_size={n} (or a multiple)"
-    """What to launch instead of attention TP > 1 for a directory converted for `n` ranks."""
-    without_lockstep: str = ("shard_weights needs a MoE model: vLLM runs the data-parallel ranks of a dense model "
-                             "independently (no dummy forwards on idle ranks)")
-    """The refusal's start when `lockstep_dp` is False: what sharded mode needs, and why the ranks do not step
-    together."""
 
 
 def current_layout() -> ParallelLayout:

@@ -12,9 +12,7 @@ from ...manifests.manifest import Manifest, load_manifest
 from ...runtime.binding import Binding
 from ...runtime.layer_ops import SPLITTING_OPS
 from ..load_options import ShardprepLoadOptions
-from . import compat
-from .full_mode import load_full
-from .sharded_mode import (
+from ..sharded_mode import (
     bound_later,
     draft_startup_line,
     load_draft,
@@ -23,6 +21,8 @@ from .sharded_mode import (
     serving_manifest,
     startup_line,
 )
+from . import compat
+from .full_mode import load_full
 
 
 class ShardprepModelLoader(BaseModelLoader):

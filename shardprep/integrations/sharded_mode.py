@@ -1,15 +1,17 @@
-"""Sharded mode: DP attention inside vLLM, each data-parallel rank holding only its own rank file.
+"""Sharded mode: DP attention inside a server (vLLM, SGLang), each data-parallel rank holding only its own rank
+file. Server-agnostic: each server's `model_loader.py` calls `load_sharded` with its `compat`'s callbacks.
 
-vLLM's data-parallel size is k·N (N = the manifest's world size): the DP ranks form k shard groups
-of N consecutive DP ranks (`runtime/shard_groups.py`). DP rank r maps only `rank_files[r mod N]`,
+Written in vLLM's terms. vLLM's data-parallel size is k·N (N = the manifest's world size): the DP ranks form k shard
+groups of N consecutive DP ranks (`runtime/shard_groups.py`). DP rank r maps only `rank_files[r mod N]`,
 binds the model's target parameters, once, to a `LayerGatherer`'s views over its group (gloo on the
 CPU), and loads only the non-targets into the model. Before each bound decoder layer runs, its
 weights are gathered into one of two slots, one layer ahead, by the two ops that `bind` puts around
 the layer (runtime/layer_ops.py), which vLLM's compiled model calls like any op; vLLM's idle DP ranks
 run dummy forwards of MoE models (all DP ranks step together), so every rank of a group issues the
 same gathers. A quantized target is processed once at load and sharded as its kernel reads it
-(processed_layers.py). Nothing here imports vLLM: what depends on it comes in through `ParallelLayout` and
-the callbacks (`keep_plain_linear`, `refuse_post_processed`, `is_quantized`, `process_quantized`).
+(processed_layers.py). Nothing here imports a server: what depends on one comes in through `ParallelLayout`
+(parallel_layout.py) and the callbacks (`keep_plain_linear`, `refuse_post_processed`, `is_quantized`,
+`process_quantized`).
 
 A draft's layers in DIR (`manifest.draft`: DeepSeek's MTP layer) are checked and left unread when vLLM serves
 the target alone. With vLLM's MTP speculative decoding, the target's gatherer gathers them too, after the
@@ -26,17 +28,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...errors import ShardprepError
-from ...loader.rank_shards import iter_replicated, open_rank
-from ...manifests.manifest import Manifest, load_manifest
-from ...manifests.shard_groups import group_size_problem
-from ...manifests.strict_json import read_json_file
-from ...planning.accounting import account, draft_account
-from ...runtime.binding import Binding, bind, bind_draft, split_layer_name
-from ...runtime.gatherer import LayerGatherer
-from ...runtime.shard_groups import shard_group
-from ..output_weights import check_all_loaded
-from .compat import ParallelLayout
+from ..errors import ShardprepError
+from ..loader.rank_shards import iter_replicated, open_rank
+from ..manifests.manifest import Manifest, load_manifest
+from ..manifests.shard_groups import group_size_problem
+from ..manifests.strict_json import read_json_file
+from ..planning.accounting import account, draft_account
+from ..runtime.binding import Binding, bind, bind_draft, split_layer_name
+from ..runtime.gatherer import LayerGatherer
+from ..runtime.shard_groups import shard_group
+from .output_weights import check_all_loaded
+from .parallel_layout import ParallelLayout
 from .processed_layers import PlaceholderGatherer, ProcessedLayers, needs_processing, process_layers
 
 # Per process, the target's binding of each directory served with its draft: the draft model, loaded after the

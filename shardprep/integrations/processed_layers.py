@@ -48,16 +48,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...errors import ShardprepError
-from ...loader.rank_shards import RankShards
-from ...manifests.dtypes import safetensors_dtype
-from ...manifests.layout import Entry, FusedView, LayerLayout, TensorSpec, chunk_range, plan_file_offsets, plan_layer
-from ...manifests.manifest import LayerRecord
-from ...runtime.backends.collective import all_gather_into, broadcast_into
-from ...runtime.binding import Binding, BoundLayer, bind
-from ...runtime.gatherer import LayerGatherer
-from ...runtime.storage_span import row_major, span_bytes, span_elements, stride_problem
-from ...runtime.views import layer_views, placeholder
+from ..errors import ShardprepError
+from ..loader.rank_shards import RankShards
+from ..manifests.dtypes import safetensors_dtype
+from ..manifests.layout import Entry, FusedView, LayerLayout, TensorSpec, chunk_range, plan_file_offsets, plan_layer
+from ..manifests.manifest import LayerRecord
+from ..runtime.backends.collective import all_gather_into, broadcast_into
+from ..runtime.binding import Binding, BoundLayer, bind
+from ..runtime.gatherer import LayerGatherer
+from ..runtime.storage_span import row_major, span_bytes, span_elements, stride_problem
+from ..runtime.views import layer_views, placeholder
 
 Process = Callable[[nn.Module], None]
 
@@ -83,7 +83,7 @@ class PlaceholderGatherer:
     """
 
     def __init__(self, shards: RankShards):
-        from ...manifests.dtypes import torch_dtype
+        from ..manifests.dtypes import torch_dtype
 
         self.layers = tuple(r.layer for r in shards.manifest.layers)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
