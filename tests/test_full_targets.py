@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import read_state_dict
+from damage import flip_byte
 
 from shardprep.errors import IntegrityError
 from shardprep.loader.full_targets import iter_full_targets
@@ -29,13 +30,6 @@ def copy_of(out: Path, dest: Path) -> Path:
     shutil.copytree(out, dest)
     return dest
 
-
-def flip_byte(path: Path, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([b ^ 0x40]))
 
 
 def test_full_targets_are_the_source_tensors_byte_for_byte(converted):

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.timeout(1800)  # engines start in 1-2 minutes each on two shared cores
 
+from damage import flip_byte  # noqa: E402
 from sglang_runs import run_engines  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
@@ -24,13 +25,6 @@ from shardprep.prep.convert import convert  # noqa: E402
 PROMPTS = ["hello world", "the model shard weights", "a b c d e f"]
 TOKENS = [8, 8, 8]
 
-
-def flip_byte(path, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([b ^ 0x40]))
 
 
 @pytest.fixture(scope="module")

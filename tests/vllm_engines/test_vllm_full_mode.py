@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 # Engines start slowly on two shared cores (tens of seconds per vLLM import, several imports per engine).
 pytestmark = pytest.mark.timeout(2400)
 
+from damage import flip_byte  # noqa: E402
 from engine_runs import run_engines  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
@@ -28,13 +29,6 @@ PROMPTS = ["hello world", "the model shard weights", "a b c d e f", "gpu fast la
 BASE = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 8, "dtype": "bfloat16", "seed": 0}
 SHARDPREP = {**BASE, "load_format": "shardprep"}
 
-
-def flip_byte(path: Path, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([b ^ 0x40]))
 
 
 def tensor_data_start(path: Path, name: str) -> int:
