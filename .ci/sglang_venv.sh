@@ -15,7 +15,8 @@ start=$SECONDS
 torch_pins=(torch==2.14.1 torchvision==0.29.1)
 # A CPU build of torch 2.14.1 saves ~5 GB of CUDA libraries; PyPI's build is a CUDA one that runs on the CPU.
 cpu_index=https://download.pytorch.org/whl/cpu
-# SGLang's runtime imports on the CPU path (tiny Llama / Qwen3-MoE / DeepSeek-V3 engines), found by import errors;
+# SGLang's runtime imports on the CPU path (tiny Llama / Qwen3-MoE / DeepSeek-V3 engines, and launch_server's HTTP
+# server, which imports soundfile at module level for its audio endpoints), found by import errors;
 # the CUDA-only ones (sglang-kernel, flashinfer, flash-attn, deep-gemm/ep, nvidia-*, tilelang, ...) are left out.
 deps=(
   transformers==5.19.0 tokenizers==0.23.2 fastapi "uvicorn>=0.51" uvloop "pyzmq>=25.1.2" orjson msgspec pybase64
@@ -23,7 +24,7 @@ deps=(
   openai-harmony==0.0.4 tiktoken sentencepiece==0.2.1 gguf blobfile==3.0.0 apache-tvm-ffi==0.1.11
   compressed-tensors==0.18.0 IPython dill aiohttp einops psutil requests pillow "prometheus-client>=0.20.0"
   python-multipart pydantic regex scipy tqdm numpy packaging xxhash zstandard watchfiles distro easydict
-  pytest pytest-timeout
+  soundfile pytest pytest-timeout
 )
 
 if uv=$(python3 -c "import uv; print(uv.find_uv_bin())" 2>/dev/null); then
@@ -40,7 +41,8 @@ fi
 install --no-deps sglang==0.5.23
 install "${deps[@]}" "${torch_pins[@]}"
 install -e "$repo[runtime]" "${torch_pins[@]}"
-# The venv is whole before the tests start: SGLang's engine module, shardprep's SGLang glue, pytest.
-"$venv/bin/python" -c "import sglang.srt.entrypoints.engine, shardprep.integrations.sglang.model_loader, pytest"
+# The venv is whole before the tests start: SGLang's engine and HTTP server, shardprep's SGLang glue, pytest.
+SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$repo/tests/sglang_engines/stand_ins" "$venv/bin/python" -c \
+  "import sglang.srt.entrypoints.engine, sglang.srt.entrypoints.http_server, shardprep.integrations.sglang.model_loader, pytest"
 if python3 -c "import sglang" 2>/dev/null; then echo "SGLang leaked into python3's own environment"; exit 1; fi
 echo "sglang venv: built in $((SECONDS - start)) s, $(du -sh "$venv" | cut -f1)"

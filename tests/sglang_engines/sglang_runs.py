@@ -20,8 +20,13 @@ A scheduler that fails while the model loads sends SIGQUIT to the engine's proce
 the whole process tree, this runner included; a run marked `"refusal": true` installs a handler that only notes
 it (SGLang's `custom_sigquit_handler`), so the engine raises instead and the next run can start.
 
+A run with "server" instead of "engine" launches `python -m sglang.launch_server` with BASE as its flags and
+"server" (a list of command-line arguments) after them, as a user would, sends the prompts in one batch to its
+HTTP `/generate`, records the tokens, and stops the server's process group.
+
 PLAN: {"env" (optional: variables for every engine), "runs": [{"name", "model", "engine" (sgl.Engine kwargs, on
-top of BASE), "prompts", "max_tokens" (one per prompt), "refusal" (optional)}]}.
+top of BASE) or "server" (launch_server arguments), "prompts", "max_tokens" (one per prompt), "env" (optional:
+variables for this run's processes), "refusal" (optional)}]}.
 RESULTS: {name: {"tokens": [[ids] per prompt], "max_total_num_tokens": int} or {"error": "Type: message"}}.
 """
 
@@ -29,13 +34,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import traceback
+import urllib.request
 from pathlib import Path
 
 import gloo_groups
+import opened_files
 import torch_native_fill
 
 HERE = Path(__file__).parent
@@ -54,7 +62,8 @@ BASE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_grap
         "max_total_tokens": 4096,
         "context_length": 128, "max_running_requests": 8, "random_seed": 0, "log_level": "info",
         "disable_radix_cache": True, "skip_server_warmup": True, "dtype": "bfloat16"}
-PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "torch_native_fill:register"}
+PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "torch_native_fill:register",
+           opened_files.NAME: "opened_files:register"}
 
 
 def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict, str]:
@@ -89,9 +98,14 @@ def run_plan(plan: dict) -> dict[str, dict]:
     for number, run in enumerate(plan["runs"]):
         engine = None
         started = time.monotonic()
+        saved = dict(os.environ)
+        os.environ.update(run.get("env", {}))  # SGLang's processes start from this environment
         try:
             # Ports of their own: an engine's ports stay taken a while after its shutdown (TIME_WAIT).
             port = 20000 + 500 * number + os.getpid() % 400
+            if "server" in run:
+                results[run["name"]] = {"tokens": served_tokens(run, port)}
+                continue
             extra = {"custom_sigquit_handler": noted_sigquit} if run.get("refusal") else {}
             engine = sgl.Engine(model_path=run["model"], port=port, **{**BASE, **run["engine"]}, **extra)
             ready = time.monotonic()
@@ -108,7 +122,60 @@ def run_plan(plan: dict) -> dict[str, dict]:
         finally:
             if engine is not None:
                 engine.shutdown()
+            os.environ.clear()
+            os.environ.update(saved)
     return results
+
+
+def served_tokens(run: dict, port: int, timeout: float = 900) -> list[list[int]]:
+    """Launch `sglang.launch_server` for `run`, generate its prompts over HTTP, stop it; the tokens per prompt."""
+    flags = [arg for key, value in BASE.items() if value is not False
+             for arg in ([f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)]))]
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", run["model"], "--host", "127.0.0.1",
+            "--port", str(port), *flags, *run["server"]]
+    print("sglang_runs: launching", " ".join(argv), flush=True)
+    started = time.monotonic()
+    server = subprocess.Popen(argv, start_new_session=True)  # its own process group: stopped as one below
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited with status {server.returncode} before it was ready")
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"the server was not ready after {timeout} s")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(1)
+        ready = time.monotonic()
+        body = {"text": run["prompts"],
+                "sampling_params": [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+                                    for n in run["max_tokens"]]}
+        request = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            outputs = json.loads(response.read())
+        print(f"ENGINE-TIME {run['name']!r}: start {ready - started:.1f} s, "
+              f"generate {time.monotonic() - ready:.1f} s", flush=True)
+        return [o["output_ids"] for o in outputs]
+    finally:
+        stop_group(server, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            stop_group(server, signal.SIGKILL)
+            server.wait()
+
+
+def stop_group(process: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to `process`'s process group (the server and its scheduler processes), if any of it is left."""
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def main(plan_path: str, results_path: str) -> None:

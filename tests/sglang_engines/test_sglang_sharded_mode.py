@@ -8,11 +8,19 @@ and runs SGLang's IDLE batches while the other decodes. Its gathers must pair wi
 collectives over the shard group): a rank that stopped gathering would hang the other, and the test would time
 out instead of comparing tokens.
 
+The same sharded deployment is also launched as a user launches it, `python -m sglang.launch_server ...
+--load-format shardprep --tp-size 2 --dp-size 2 --enable-dp-attention --model-loader-extra-config
+'{"shard_weights": true}'`, and asked over HTTP. SGLang gives all ranks one model path, so the ranks share a
+directory holding both rank files; a test plugin (opened_files.py) records the files each rank opens, to check that
+a rank in sharded mode opens only its own rank file (full mode opens both, which shows the record is taken).
+
 Every engine of this module runs in one process (sglang_runs.py). Skipped where SGLang is not installed.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import pytest
@@ -22,6 +30,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 from sglang_runs import run_engines  # noqa: E402
 
+from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
 
 PROMPTS = ["hello world", "a b c", "the model shard weights"]
@@ -41,13 +50,39 @@ def engines(checkpoint_cache, tmp_path_factory):
         return {"name": name, "model": str(model), "engine": {**DP_ATTENTION, **engine}, "prompts": PROMPTS,
                 "max_tokens": TOKENS}
 
-    plan = {"runs": [run("source", src), run("full", out, load_format="shardprep"),
-                     run("sharded", out, load_format="shardprep", **SHARDED),
+    def recording_opens(name, run):  # opened_files.py: which files under OUT each rank opens
+        return {**run, "env": {"SHARDPREP_TEST_OPENED_LOG": str(root / f"opened-{name}.log"),
+                               "SHARDPREP_TEST_OPENED_UNDER": str(out) + os.sep}}
+
+    server = ["--load-format", "shardprep", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
+              "--model-loader-extra-config", json.dumps({"shard_weights": True})]
+    plan = {"runs": [run("source", src), recording_opens("full", run("full", out, load_format="shardprep")),
+                     recording_opens("sharded", run("sharded", out, load_format="shardprep", **SHARDED)),
+                     {"name": "sharded server", "model": str(out), "server": server, "prompts": PROMPTS,
+                      "max_tokens": TOKENS},
                      # Attention TP 2 (no DP attention): refused at load, in SGLang's option names.
                      {**run("attention tp 2", out, load_format="shardprep", dp_size=1, enable_dp_attention=False,
                             **SHARDED), "refusal": True}]}
     results, log = run_engines(plan, root)
     return results, log, out
+
+
+def logged_by_the_sharded_engine(log: str) -> str:
+    """What the sharded engine's ranks logged (the launched server logs its own lines later)."""
+    return log.split("ENGINE-TIME 'full'")[1].split("ENGINE-TIME 'sharded'")[0]
+
+
+def opened_rank_files(engines, name: str) -> dict[int, set[str]]:
+    """Per torch.distributed rank (= DP rank under DP attention), the rank files of OUT it opened in run `name`."""
+    out = engines[2]
+    rank_files = set(load_manifest(out).rank_files)
+    opened: dict[int, set[str]] = {}
+    for line in (out.parent / f"opened-{name}.log").read_text().splitlines():
+        rank, path = line.split("\t")
+        name = os.path.relpath(path, out)  # as the manifest names it: shards/rank-...
+        if name in rank_files:
+            opened.setdefault(int(rank), set()).add(name)
+    return opened
 
 
 def test_sharded_mode_gives_full_modes_tokens_bit_for_bit_under_dp_attention_with_uneven_load(engines):
@@ -64,7 +99,7 @@ def test_full_mode_under_dp_attention_gives_sglangs_own_tokens_from_the_source(e
 
 
 def test_each_dp_rank_logs_its_resident_bytes_against_full_weights_from_its_own_rank_file(engines):
-    _, log, out = engines
+    log, out = logged_by_the_sharded_engine(engines[1]), engines[2]
     lines = re.findall(r"shardprep: DP rank (\d) of 2 serves (\S+) sharded: .*?resident target bytes (\d+) = "
                        r"R/N (\d+) \+ 2 slots (\d+) .*?against (\d+) for full weights; .*?rank file (\d) of 2", log)
     assert sorted(line[0] for line in lines) == ["0", "1"], lines
@@ -77,14 +112,13 @@ def test_each_dp_rank_logs_its_resident_bytes_against_full_weights_from_its_own_
 def test_each_dp_rank_builds_every_bound_weight_without_storage(engines):
     # Qwen3-MoE without a shared expert: qkv_proj and o_proj per bound layer, none ever allocated whole.
     lines = re.findall(r"shardprep: DP rank \d of 2 serves .*?(\d+) layers bound .*?; (\d+) target weights built "
-                       r"without storage", engines[1])
+                       r"without storage", logged_by_the_sharded_engine(engines[1]))
     assert len(lines) == 2, lines
     assert all(int(made) == 2 * int(layers) > 0 for layers, made in lines), lines
 
 
 def test_sharding_is_finished_before_sglang_sizes_each_ranks_kv_pool(engines):
-    log = engines[1]
-    sharded = log.split("ENGINE-TIME 'full'")[1].split("ENGINE-TIME 'sharded'")[0]  # what the sharded engine logged
+    sharded = logged_by_the_sharded_engine(engines[1])
     for rank in ("0", "1"):
         line = sharded.index(f"shardprep: DP rank {rank} of 2 serves")
         kv = re.search(rf"DP{rank} TP{rank}\] KV Cache is allocated", sharded)
@@ -98,3 +132,16 @@ def test_attention_tp_above_one_is_refused_in_one_line_naming_sglangs_options(en
     assert ("shard_weights is DP attention: attention TP (tp_size / dp_size under enable_dp_attention) and pp_size "
             "must be 1, got 2 and 1; use tp_size = dp_size = 2 (or a multiple) with enable_dp_attention, or full "
             "mode") in log
+
+
+def test_the_launched_server_in_sharded_mode_gives_the_engines_tokens_over_http(engines):
+    results = engines[0]
+    assert "tokens" in results["sharded server"], results["sharded server"]
+    assert results["sharded server"]["tokens"] == results["sharded"]["tokens"]
+
+
+def test_in_sharded_mode_each_dp_rank_opens_only_its_own_rank_file(engines):
+    rank_files = load_manifest(engines[2]).rank_files
+    # Full mode rebuilds every target from both rank files on each rank: the record sees rank-file opens.
+    assert opened_rank_files(engines, "full") == {0: set(rank_files), 1: set(rank_files)}
+    assert opened_rank_files(engines, "sharded") == {0: {rank_files[0]}, 1: {rank_files[1]}}
