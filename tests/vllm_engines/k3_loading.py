@@ -254,24 +254,21 @@ def sharded_binding(directory: str, ref: dict[str, bytes], dp: tuple[int, int, i
     }
 
 
-def mtp_draft(source: str, full: str, sharded: str, dp: tuple[int, int, int]) -> dict[str, Any]:
+def mtp_draft(source: str, full: str, sharded: str, ref_target: dict[str, bytes],
+              dp: tuple[int, int, int]) -> dict[str, Any]:
     """K3 served with its MTP draft (`speculative_config` `mtp`, so vLLM builds KimiK3MTP): the draft's bytes
-    from vLLM's default loader on `source` against shardprep's full mode on `full`; then sharded mode on this
-    rank's `sharded` directory, the target and then the draft through `load_model`, as vLLM's worker and proposer
-    load them: what each draft target bound to, whether each gather of every layer (the draft's after the
-    target's) gives the default loader's bytes, and the draft's startup line."""
-    from vllm.model_executor.model_loader import DefaultModelLoader
-
+    from vLLM's default loader on `source` against shardprep's full mode on `full` (the draft alone: in full mode
+    its load does not depend on the target's); then sharded mode on this rank's `sharded` directory, the target
+    and then the draft through `load_model`, as vLLM's worker and proposer load them: what each draft target
+    bound to, whether each gather of every layer (the draft's after the target's) gives the default loader's
+    bytes (the target's: `ref_target`, by parameter name), and the draft's startup line."""
     from shardprep.integrations.vllm.model_loader import ShardprepModelLoader
     from shardprep.integrations.vllm.sharded_mode import draft_startup_line
 
     config = engine_config(source, "safetensors", None, *dp, mtp=True)
-    target = build(config, DefaultModelLoader(config.load_config), full_load=False)
-    ref_target = {name: as_bytes(p) for name, p in target.named_parameters()}
     draft, _ = build_draft(config, full_load=False)
     ref = {name: as_bytes(p) for name, p in draft.named_parameters()}
     config = engine_config(full, "shardprep", None, *dp, mtp=True)
-    build(config, ShardprepModelLoader(config.load_config), full_load=False)
     draft, _ = build_draft(config, full_load=False)
     got = {name: as_bytes(p) for name, p in draft.named_parameters()}
     results: dict[str, Any] = {"draft_class": type(draft).__name__, "draft_parameters": len(ref),
@@ -339,6 +336,7 @@ def main(plan_path: str, results_path: str) -> None:
         own_rank_files(Path(published["full"]), Path(published["full"]).parent, dp[0])
     torch.distributed.barrier()
     results["published"] = {}
+    published_ref: dict[str, bytes] = {}  # the default loader's bytes of K3 as published, with images
     for images in (True, False):
         ref, count, differs = full_mode_against_vllm(published["source"], published["full"], dp, images)
         results["published"][f"images {images}"] = {
@@ -346,7 +344,9 @@ def main(plan_path: str, results_path: str) -> None:
             "vision_parameters": sum(name.startswith(("vision_tower.", "mm_projector.")) for name in ref)}
         if images:
             results["published"]["sharded"] = sharded_binding(published["sharded"][dp[1]], ref, dp)
-    results["published"]["mtp"] = mtp_draft(published["source"], published["full"], published["sharded"][dp[1]], dp)
+            published_ref = ref
+    results["published"]["mtp"] = mtp_draft(published["source"], published["full"], published["sharded"][dp[1]],
+                                            published_ref, dp)
 
     results["refusals"] = {}
     for name, directory in plan["refusals"].items():
