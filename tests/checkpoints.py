@@ -327,8 +327,9 @@ def make_kimi_k3_checkpoint(directory: str | Path, *, layers: int = 4, vocab: in
     (MLA + MoE; KimiK3MTP builds it as a KimiDecoderLayer without attention residuals and skips the residual
     tensors) plus `enorm`, `hnorm`, `eh_proj` [hidden, 2·hidden], `shared_head.norm`, `shared_head.head` and
     `embed_tokens`, the names KimiK3MTP's `_rewrite_spec_layer_name` maps (the block's under `mtp_block`,
-    `embed_tokens` to the draft's shared embedding). K3 as published puts it under
-    `language_model.model.layers.{L}.` (tests/vllm_engines/k3_loading.py, `published_name`).
+    `embed_tokens` to the draft's shared embedding). In K3's published layout the tests put it under
+    `language_model.model.layers.{L}.`, the only published name KimiK3MTP loads (it has no mapper; no published
+    K3 checkpoint was at hand to compare; tests/vllm_engines/k3_loading.py, `published_name`).
 
     config.json is written by vLLM's `KimiLinearConfig.save_pretrained` where vLLM is installed (the vLLM
     stage); without vLLM (the main suite, whose inspect and plan read names, shapes and dtypes only) the same
