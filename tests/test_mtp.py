@@ -1,6 +1,8 @@
 """A DeepSeek-V3 checkpoint with its MTP layer, as DeepSeek publishes it (tests/checkpoints.py, make_mtp_checkpoint):
 convert records the MTP layer as a draft's and shards it like a decoder layer, dry-run / inspect / plan show it
 apart from the target's layers, and `shardprep run` serves the target alone, the draft's layers left unread.
+Kimi K3 with its MTP layer (`kimi-k3-mtp`): the same record, its layer sharded by the `kimi-k3` preset's decoder
+rules, shown apart by dry-run, inspect and plan.
 """
 
 import json
@@ -211,3 +213,42 @@ def test_a_draft_layer_is_gathered_once_per_target_forward_and_held_through_ever
         binding.idle_step()  # an idle rank: the same gathers, the draft's included
         assert gatherer.gathers_issued == 9
     assert binding.draft_parameters[name] is block.self_attn.o_proj.weight and draft.index == L
+
+
+K3_L = 4  # Kimi K3's decoder layers 0..3; layer 4 is its MTP layer (tests/checkpoints.py, kimi-k3-mtp)
+
+
+@pytest.fixture(scope="module")
+def k3_mtp(checkpoint_cache, tmp_path_factory):
+    src = checkpoint_cache("kimi-k3-mtp", layers=K3_L)
+    out = tmp_path_factory.mktemp("k3-mtp") / "out"
+    convert(src, out, 2, preset="kimi-k3")
+    return src, out
+
+
+def test_kimi_k3s_mtp_layer_is_recorded_as_a_drafts_and_sharded_like_its_mla_moe_decoder_layer(k3_mtp):
+    _, out = k3_mtp
+    manifest = load_manifest(out)
+    assert manifest.draft == DraftLayers("mtp", (K3_L,))
+    assert [r.layer for r in manifest.target_records] == [1, 2, 3] and manifest.layers[-1].layer == K3_L
+    names = {e.name.split(f"layers.{K3_L}.", 1)[1] for e in manifest.layer(K3_L).entries}
+    decoder = {e.name.split("layers.2.", 1)[1] for e in manifest.layer(2).entries}  # layer 2: MLA + MoE
+    assert names == decoder and not any("kv_b_proj" in n for n in names)
+    assert not any(n.startswith(MTP_ONLY) for n in names), "eh_proj, shared_head, norms, embed_tokens stay replicated"
+    views = {v.name.split(f"layers.{K3_L}.", 1)[1] for v in manifest.layer(K3_L).views}
+    assert views == {"self_attn.fused_qkv_a_g_proj.weight", "block_sparse_moe.shared_experts.gate_up_proj.weight"}
+    assert validate(out).ok
+
+
+def test_kimi_k3s_mtp_layer_shows_apart_in_dry_run_inspect_and_plan(k3_mtp, tmp_path):
+    src, out = k3_mtp
+    text = invoke("convert", src, tmp_path / "dry", "-n", 2, "--preset", "kimi-k3", "--dry-run").output
+    assert f"layer {K3_L} (draft: MTP layer, not the target model's): 10 targets" in text
+    assert f"draft (MTP layer {K3_L}): Σ|T|" in text
+    info = json.loads(invoke("inspect", out, "--json").output)
+    assert [r["model"] for r in info["layers"]] == ["target"] * 3 + ["draft"]
+    assert info["draft"]["layers"] == [K3_L]
+    assert info["draft"]["sharded_bytes"] == load_manifest(out).layer(K3_L).total_bytes
+    report = plan_sharding(PlanRequest(str(src), ranks=2, preset="kimi-k3"))
+    assert K3_L not in report.candidates
+    assert any(note.startswith(f"layer {K3_L}: the MTP draft's") for note in report.notes), report.notes

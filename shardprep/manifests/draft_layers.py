@@ -55,6 +55,11 @@ def mtp_layers(config: Mapping[str, Any] | None) -> tuple[int, ...]:
     (61,)
     >>> mtp_layers({"num_hidden_layers": 3}), mtp_layers(None)
     ((), ())
+
+    Kimi K3's published config keeps them in its `text_config` (vLLM 0.32 reads them there for `mtp`):
+
+    >>> mtp_layers({"model_type": "kimi_k3", "text_config": {"num_hidden_layers": 4, "num_nextn_predict_layers": 1}})
+    (4,)
     """
     if not isinstance(config, Mapping):
         return ()

