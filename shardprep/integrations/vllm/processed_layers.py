@@ -22,6 +22,9 @@ and the second pass processes each layer again, checks its digest and copies thi
 into the buffer. So the load holds the final buffer plus one layer (and the server's own transients while it
 processes that layer), never this rank's bytes twice; the price is processing every layer twice.
 
+A draft model's layers (DeepSeek's MTP layer), which vLLM builds after the target is loaded, go through the same two
+passes when the draft model is loaded (`add_draft`), and join the target's buffer and gatherer after its layers.
+
 A binding over that processed layout then replaces the placeholder one: at run time nothing changes (one gather
 per layer, one layer ahead, two slots, zero-copy views), only the gathered bytes are the processed ones, and a
 strided tensor's view is rebuilt with its shape, strides and dtype over its gathered span. A processed form that

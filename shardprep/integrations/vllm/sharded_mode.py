@@ -15,7 +15,9 @@ A draft's layers in DIR (`manifest.draft`: DeepSeek's MTP layer) are checked and
 the target alone. With vLLM's MTP speculative decoding, the target's gatherer gathers them too, after the
 target's layers (the draft's gather is dispatched, one layer ahead as any, before the target's last layer
 computes), and `load_draft` binds
-them to the draft model, which vLLM loads second (runtime/binding.py, `bind_draft`).
+them to the draft model, which vLLM loads second (runtime/binding.py, `bind_draft`). With quantized targets
+processed at load, the draft's layers are processed too, but only in `load_draft`: their processed layout exists
+once the draft model does (`processed_layers.add_draft`).
 """
 
 from __future__ import annotations
