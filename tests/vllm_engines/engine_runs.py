@@ -31,8 +31,7 @@ for vLLM's engine-core processes), "runs": [{"name", "model" (a path,
 or one per DP rank), "llm" (LLM kwargs), "prompts" (one list per DP rank), "max_tokens" (one per DP rank), "env"
 (optional: variables set while this engine starts and runs)}]}.
 RESULTS: {name: [per DP rank: {"tokens": [[ids] per prompt], "top2": [[[two best log-probabilities] per token]
-per prompt], with a draft's per-step acceptance where vLLM reports it: "accepted" (`accepted_drafts`)} or {"error":
-"Type: message"}]}.
+per prompt]} or {"error": "Type: message"}]}.
 Tests call `run_engines(plan, workdir)`, which runs this script in a subprocess and keeps everything it
 prints in `workdir/engines.log`.
 """
@@ -51,6 +50,7 @@ import traceback
 from pathlib import Path
 
 import deep_gemm_sm100
+import draft_probe
 import moved_weights
 import quant_kernels
 import same_kernels
@@ -80,6 +80,7 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
     declare_vllm_plugin(plugins, quant_kernels.NAME, "quant_kernels:register")  # likewise
     declare_vllm_plugin(plugins, moved_weights.NAME, "moved_weights:register")  # likewise
     declare_vllm_plugin(plugins, deep_gemm_sm100.NAME, "deep_gemm_sm100:register")  # likewise
+    declare_vllm_plugin(plugins, draft_probe.NAME, "draft_probe:register")  # likewise
     path = os.pathsep.join(p for p in (HERE, str(plugins), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(plan["dp_size"]), "PYTHONPATH": path}
     with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs
@@ -136,16 +137,6 @@ def top_two(logprobs: list) -> list[list[float]]:
     return [sorted((lp.logprob for lp in position.values()), reverse=True)[:2] for position in logprobs]
 
 
-def accepted_drafts(outputs: list) -> dict:
-    """{"accepted": per prompt, the draft tokens accepted at each verify step} where vLLM reports them (an engine
-    with `speculative_config` and `per_request_spec_decode_metrics="detailed"`), else {}. Greedy speculative decoding
-    gives the target's tokens whatever the draft proposes: these say what the draft's weights proposed."""
-    metrics = [o.outputs[0].spec_decode_metrics for o in outputs]
-    if any(m is None for m in metrics):
-        return {}
-    return {"accepted": [list(m.per_step_accepted) for m in metrics]}
-
-
 def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, dict]:
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
@@ -168,8 +159,7 @@ def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, d
             print(f"ENGINE-TIME {run['name']!r} dp{dp_rank}: start {ready - started:.1f} s, "
                   f"generate {time.monotonic() - ready:.1f} s", flush=True)
             results[run["name"]] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                                    "top2": [top_two(o.outputs[0].logprobs) for o in outputs],
-                                    **accepted_drafts(outputs)}
+                                    "top2": [top_two(o.outputs[0].logprobs) for o in outputs]}
         except Exception as exc:  # recorded: the refusal cases expect one
             traceback.print_exc()
             results[run["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
