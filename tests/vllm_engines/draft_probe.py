@@ -8,7 +8,8 @@ SHARDPREP_TEST_DRAFT_PROBE in a plan's environment the probe is installed: vLLM'
 every eager forward of an engine whose own `env` sets the variable to a path, one digest of the hidden states it
 returns (their bytes) to `PATH.dpR` (R: the DP rank). Equal files for a full-mode and a sharded engine mean the draft
 computed the same values, bit for bit, at every pass, dummy passes of idle ranks included. A traced forward
-(Dynamo) records nothing.
+(Dynamo) records nothing. Checked by hand once (DP=1, full mode, deepseek_mtp k=1): with the MTP layer's o_proj
+doubled in the checkpoint, the tokens and log-probabilities stayed equal and every digest changed.
 
 Registered as a `vllm.general_plugins` entry point by `engine_runs.run_engines`.
 """
