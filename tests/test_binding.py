@@ -234,3 +234,34 @@ def test_targets_bind_through_transformers_renamings_and_a_merged_key_is_refused
                r"\(the model's name: 'model\.layers\.1\.mlp\.experts\.0\.w1\.weight'\) has no parameter")
     with pytest.raises(RuntimeShardError, match=refusal):
         build_model(stacked, "cpu")
+
+
+def test_rehome_moves_the_bound_layers_onto_a_new_gatherer_keeping_the_hooks_and_the_compile_key(world_of_one,
+                                                                                                  llama_dir):
+    """What sharded mode does once a processed draft's layer joins the target's: the same layers, new slots."""
+    src, out = llama_dir
+    binding = build_model(out, "cpu")
+    key, ids = binding.compile_key(), torch.tensor([[1, 5, 7, 9, 33, 40]])
+    old = set(slot_ranges(binding))
+    shards = open_rank(out, 0)
+    binding.rehome(shards, LayerGatherer(shards))
+    assert binding.compile_key() == key
+    slots = slot_ranges(binding)
+    assert not old & set(slots)  # really new slots: the comparison below could fail
+    for name, p in binding.target_parameters.items():
+        start, end = slots[0 if ".layers.1." in name else 1]
+        assert start <= p.data_ptr() < end, name
+    with torch.no_grad():
+        assert torch.equal(binding.model(ids).logits, reference(src)(ids).logits)
+    assert binding.forward_count == 1  # the hooks stayed: the forward gathered through them
+    first = [binding.layers[0].index]  # a gatherer of fewer layers than the binding's is refused
+    with pytest.raises(RuntimeShardError, match="not the bound layers"):
+        binding.rehome(shards, _Layers(first))
+    binding.remove()
+
+
+class _Layers:
+    """A gatherer's layer table, no more (what rehome checks first)."""
+
+    def __init__(self, layers):
+        self.layers = tuple(layers)

@@ -278,3 +278,56 @@ def test_a_step_that_gives_other_bytes_the_second_time_is_refused(llama_n1, worl
     error = _refused(llama_n1, drifting)
     assert error == ("shard_weights: processing layer 1 again gave other bytes (the server's processing is not "
                      "deterministic there); serve this directory in full mode"), error
+
+
+def _with_processed_draft(rank: int, world_size: int, out: str) -> dict:
+    """Layers 1..2 of a 4-layer Llama processed as the target's, layer 3 as a draft's (DeepSeek's MTP layer stands
+    there in vLLM): bound to placeholders, processed only after the target's binding exists, then gathered after the
+    target's layers by the target's gatherer. The model's forward runs the draft's layer after the target's last."""
+    import dataclasses
+
+    from shardprep.integrations.processed_layers import add_draft
+    from shardprep.manifests.draft_layers import DraftLayers
+    from shardprep.manifests.manifest import load_manifest
+    from shardprep.runtime.binding import draft_layers
+
+    loaded = build_model(out, "cpu")
+    loaded.remove()
+    manifest = dataclasses.replace(load_manifest(out), draft=DraftLayers("mtp", (3,)))
+    shards = open_rank(out, rank, world_size=world_size, manifest=manifest)
+    binding = bind(loaded.model, shards, PlaceholderGatherer(shards))
+    for name, module in binding.model.named_modules():
+        if name.endswith(("o_proj", "down_proj")):
+            module.stand_in = True
+    target = process_layers(binding, None, quantized, negate)
+    key = target.binding.compile_key()
+    placeholders = PlaceholderGatherer(shards)
+    layers = draft_layers(shards.manifest, placeholders.layers, {3: binding.model.model.layers[3]})
+    for layer in layers:
+        layer.point(placeholders.views(layer.index))
+    draft = add_draft(target, shards, None, layers, quantized, negate)
+    new = draft.binding
+    with torch.no_grad():
+        logits = new.model(torch.tensor(PROMPT)).logits
+    return {"logits": logits.float().tolist(), "modules": draft.modules, "same_binding": new is target.binding,
+            "same_key": new.compile_key() == key, "gathered": list(new.gatherer.layers),
+            "sign": float(new.model.model.layers[3].self_attn.o_proj.sign),
+            "held": draft.rank_file_bytes == manifest.layer(3).chunk_bytes}
+
+
+def test_a_draft_layer_processed_after_the_target_is_gathered_after_it_and_gives_the_sources_logits(
+        checkpoint_cache, tmp_path_factory):
+    import transformers
+
+    src = checkpoint_cache("llama", layers=4)
+    out = tmp_path_factory.mktemp("processed-draft") / "out"
+    convert(src, out, 2, preset="llama")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(torch.tensor(PROMPT)).logits
+    for got in run_ranks(_with_processed_draft, 2, str(out), timeout=300):
+        assert got["logits"] == expected.float().tolist()
+        assert got["sign"] == -1.0  # the draft's processed form was gathered
+        assert got["modules"] == ("model.layers.3.self_attn.o_proj",)
+        assert got["gathered"] == [1, 2, 3]
+        assert got["same_binding"] and got["same_key"] and got["held"]

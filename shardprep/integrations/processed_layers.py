@@ -22,6 +22,9 @@ and the second pass processes each layer again, checks its digest and copies thi
 into the buffer. So the load holds the final buffer plus one layer (and the server's own transients while it
 processes that layer), never this rank's bytes twice; the price is processing every layer twice.
 
+A draft model's layers (DeepSeek's MTP layer), which vLLM builds after the target is loaded, go through the same two
+passes when the draft model is loaded (`add_draft`), and join the target's buffer and gatherer after its layers.
+
 A binding over that processed layout then replaces the placeholder one: at run time nothing changes (one gather
 per layer, one layer ahead, two slots, zero-copy views), only the gathered bytes are the processed ones, and a
 strided tensor's view is rebuilt with its shape, strides and dtype over its gathered span. A processed form that
@@ -40,7 +43,7 @@ import dataclasses
 import enum
 import hashlib
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +57,7 @@ from ..manifests.dtypes import safetensors_dtype
 from ..manifests.layout import Entry, FusedView, LayerLayout, TensorSpec, chunk_range, plan_file_offsets, plan_layer
 from ..manifests.manifest import LayerRecord
 from ..runtime.backends.collective import all_gather_into, broadcast_into
-from ..runtime.binding import Binding, BoundLayer, bind
+from ..runtime.binding import Binding, BoundLayer, bind, bind_draft, split_layer_name
 from ..runtime.gatherer import LayerGatherer
 from ..runtime.storage_span import row_major, span_bytes, span_elements, stride_problem
 from ..runtime.views import layer_views, placeholder
@@ -71,6 +74,8 @@ class ProcessedLayers:
     """The quantized modules processed, by their names in the model."""
     rank_file_bytes: int
     """What the rank file holds for this rank (R/N of the checkpoint's bytes, before processing)."""
+    strides: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """The processed tensors kept strided (entry name → strides), as the gatherer rebuilds their views."""
 
 
 class PlaceholderGatherer:
@@ -115,48 +120,134 @@ def process_layers(binding: Binding, group: Any, is_quantized: Callable[[nn.Modu
     >>> binding = processed.binding  # doctest: +SKIP
     """
     model, shards = binding.model, binding.shards
-    manifest, rank, n = shards.manifest, shards.rank, shards.world_size
+    manifest = shards.manifest
     names = {id(m): name for name, m in model.named_modules()}
-    owners = {layer.index: _owners(layer) for layer in binding.layers}
-    quantized = {id(m) for layer in binding.layers for m, _ in owners[layer.index] if is_quantized(m)}
-    originals = {id(m): _Original(m, bound) for layer in binding.layers for m, bound in owners[layer.index]
-                 if id(m) in quantized}
-    layouts, digests = [], []
-    strides: dict[str, tuple[int, ...]] = {}  # the strided tensors (DeepGEMM's packed scales): their views keep them
-    for layer in binding.layers:  # pass 1: the layouts and digests, the modules put back after each layer
-        tensors = _process_layer(layer, shards, group, owners[layer.index], quantized, names, process)
-        layout = _plan_spans(layer.index, tensors, n, manifest.entry_alignment, manifest.chunk_alignment)
-        strides.update((name, tuple(t.stride())) for name, t in tensors.items()
-                       if tuple(t.stride()) != row_major(t.shape))
-        layouts.append(layout)
-        digests.append(_digest(layout, tensors))
-        _release(tensors)
-        for module, _ in owners[layer.index]:
-            if id(module) in quantized:
-                originals[id(module)].restore()
-        _release({name: p for p, name in layer.params})  # the loaded parameters let go of this layer's gather
-        _give_back(shards.device)
-    _check_same_bytes(digests, layouts, group)
+    passes = _Passes(shards, group, binding.layers, names, is_quantized, process)
+    layouts, digests, strides = passes.learn()
     offsets = plan_file_offsets([lay.chunk_bytes for lay in layouts], manifest.file_alignment)
     records = tuple(LayerRecord.from_layout(lay, offset) for lay, offset in zip(layouts, offsets))
-    processed = dataclasses.replace(manifest, layers=records)
+    # The draft's layers, if the rank file holds them, are processed with the draft model (`add_draft`).
+    processed = dataclasses.replace(manifest, layers=records, draft=None)
     buffer = torch.zeros(processed.rank_file_bytes, dtype=torch.uint8, device=shards.device)
-    for layer, layout, record, digest in zip(binding.layers, layouts, records, digests):  # pass 2: this rank's chunks
-        tensors = _process_layer(layer, shards, group, owners[layer.index], quantized, names, process)
-        if _digest(layout, tensors) != digest:
-            raise ShardprepError(f"shard_weights: processing layer {layer.index} again gave other bytes (the "
-                                 "server's processing is not deterministic there); serve this directory in full mode")
-        _copy_own_chunk(layout, tensors, rank, buffer[record.file_offset:record.file_offset + record.chunk_bytes])
-        _release(tensors)
-        _release({name: p for p, name in layer.params})  # loaded parameters that processing replaced, if any
-        _give_back(shards.device)
+    passes.fill(layouts, records, digests, buffer)
     binding.remove()
     if shards.device.type == "cuda":
         torch.cuda.empty_cache()
-    ours = RankShards(processed, rank, buffer)
+    ours = RankShards(processed, shards.rank, buffer)
     new = bind(model, ours, LayerGatherer(ours, group=group, backend="auto", strides=strides), model_name=model_name)
-    modules = tuple(names[id(m)] for layer in binding.layers for m, _ in owners[layer.index] if id(m) in quantized)
-    return ProcessedLayers(new, modules, manifest.rank_file_bytes)
+    return ProcessedLayers(new, passes.modules(), manifest.rank_file_bytes, strides)
+
+
+def add_draft(target: ProcessedLayers, shards: RankShards, group: Any, layers: list[BoundLayer],
+              is_quantized: Callable[[nn.Module], bool], process: Process) -> ProcessedLayers:
+    """Process the draft model's layers as `process_layers` processed the target's, and gather them with the target's.
+
+    vLLM builds the draft model (DeepSeek's MTP layer) after the target is loaded and processed, so the draft's
+    processed layout is learned only now. `target`: what `process_layers` returned for the target model; `shards`:
+    the rank file as opened, the draft's layers included (their checkpoint bytes are read from it, a layer at a
+    time); `layers`: the draft's layers bound to the draft model's modules, each parameter pointing at a
+    placeholder, its replicated weights loaded. The draft's layers go through the same two passes (layouts and
+    digests compared across the shard group, then this rank's chunk copied), after the target's layers in the
+    buffer and in the gather order; the target's binding then moves onto a gatherer over both (its positions and
+    ops unchanged: `Binding.rehome`), and the draft's layers are bound to it (`bind_draft`). Collective over `group`.
+    Returns the binding (the target's, now also the draft's) with what processing did to the draft's layers: its
+    quantized modules, and the draft's bytes in the rank file.
+
+    The target's processed bytes are copied once into the larger buffer: the load holds them twice for that moment.
+
+    >>> processed = add_draft(processed, raw_shards, group, draft_layers, compat.is_quantized,
+    ...                       compat.process_quantized)  # doctest: +SKIP
+    """
+    binding, old = target.binding, target.binding.shards
+    manifest = old.manifest
+    # Named as the manifest names the draft's layers (`model.layers.3.self_attn...`), whatever the draft model calls
+    # the layer's module (DeepSeekMTP's `model.layers.3.mtp_block`): bind_draft finds them inside the layer's module.
+    names = {id(m): f"{_list_prefix(shards, layer)}.{layer.index}" + (f".{name}" if name else "") for layer in layers
+             for name, m in layer.module.named_modules()}
+    passes = _Passes(shards, group, layers, names, is_quantized, process)
+    layouts, digests, strides = passes.learn()
+    records = [*manifest.layers, *(LayerRecord.from_layout(lay, 0) for lay in layouts)]
+    offsets = plan_file_offsets([r.chunk_bytes for r in records], manifest.file_alignment)
+    # The target's offsets are a prefix of these (consecutive chunks, each aligned): its bytes move as they are.
+    records = [dataclasses.replace(r, file_offset=offset) for r, offset in zip(records, offsets)]
+    processed = dataclasses.replace(manifest, layers=tuple(records), draft=shards.manifest.draft)
+    buffer = torch.zeros(processed.rank_file_bytes, dtype=torch.uint8, device=old.device)
+    buffer[:manifest.rank_file_bytes].copy_(old.buffer)
+    passes.fill(layouts, records[len(manifest.layers):], digests, buffer)
+    ours = RankShards(processed, old.rank, buffer)
+    strides = {**target.strides, **strides}
+    binding.rehome(ours, LayerGatherer(ours, group=group, backend="auto", strides=strides))
+    del old, buffer
+    if ours.device.type == "cuda":
+        torch.cuda.empty_cache()
+    bind_draft(binding, {layer.index: layer.module for layer in layers})
+    return ProcessedLayers(binding, passes.modules(),
+                           sum(shards.manifest.layer(layer.index).chunk_bytes for layer in layers), strides)
+
+
+def _list_prefix(shards: RankShards, layer: BoundLayer) -> str:
+    """The name of the layer list in the manifest's names of `layer` (`model.layers`)."""
+    return split_layer_name(shards.manifest.layer(layer.index).entries[0].name, layer.index)[0]
+
+
+class _Passes:
+    """The two passes over `layers` (the module docstring's steps), with what they share: who owns which bound
+    parameter, which owners are quantized, and those as loaded (put back after the first pass)."""
+
+    def __init__(self, shards: RankShards, group: Any, layers: list[BoundLayer], names: dict[int, str],
+                 is_quantized: Callable[[nn.Module], bool], process: Process):
+        self.shards, self.group, self.layers, self.names, self.process = shards, group, layers, names, process
+        self.owners = {layer.index: _owners(layer) for layer in layers}
+        self.quantized = {id(m) for layer in layers for m, _ in self.owners[layer.index] if is_quantized(m)}
+        self.originals = {id(m): _Original(m, bound) for layer in layers for m, bound in self.owners[layer.index]
+                          if id(m) in self.quantized}
+
+    def modules(self) -> tuple[str, ...]:
+        """The quantized modules processed, by name."""
+        return tuple(self.names[id(m)] for layer in self.layers for m, _ in self.owners[layer.index]
+                     if id(m) in self.quantized)
+
+    def learn(self) -> tuple[list[LayerLayout], list[str], dict[str, tuple[int, ...]]]:
+        """Pass 1: each layer's processed layout and digest (compared across the group), the strided tensors'
+        strides (DeepGEMM's packed scales: their views keep them); the modules are put back after each layer."""
+        shards, n = self.shards, self.shards.world_size
+        layouts, digests = [], []
+        strides: dict[str, tuple[int, ...]] = {}
+        for layer in self.layers:
+            tensors = self._process(layer)
+            layout = _plan_spans(layer.index, tensors, n, shards.manifest.entry_alignment,
+                                 shards.manifest.chunk_alignment)
+            strides.update((name, tuple(t.stride())) for name, t in tensors.items()
+                           if tuple(t.stride()) != row_major(t.shape))
+            layouts.append(layout)
+            digests.append(_digest(layout, tensors))
+            _release(tensors)
+            for module, _ in self.owners[layer.index]:
+                if id(module) in self.quantized:
+                    self.originals[id(module)].restore()
+            _release({name: p for p, name in layer.params})  # the loaded parameters let go of this layer's gather
+            _give_back(shards.device)
+        _check_same_bytes(digests, layouts, self.group)
+        return layouts, digests, strides
+
+    def fill(self, layouts: list[LayerLayout], records: Sequence[LayerRecord], digests: list[str],
+             buffer: torch.Tensor) -> None:
+        """Pass 2: process each layer again, check its digest, copy this rank's chunk to its record's place."""
+        for layer, layout, record, digest in zip(self.layers, layouts, records, digests):
+            tensors = self._process(layer)
+            if _digest(layout, tensors) != digest:
+                raise ShardprepError(f"shard_weights: processing layer {layer.index} again gave other bytes (the "
+                                     "server's processing is not deterministic there); serve this directory in full "
+                                     "mode")
+            _copy_own_chunk(layout, tensors, self.shards.rank,
+                            buffer[record.file_offset:record.file_offset + record.chunk_bytes])
+            _release(tensors)
+            _release({name: p for p, name in layer.params})  # loaded parameters that processing replaced, if any
+            _give_back(self.shards.device)
+
+    def _process(self, layer: BoundLayer) -> dict[str, torch.Tensor]:
+        return _process_layer(layer, self.shards, self.group, self.owners[layer.index], self.quantized, self.names,
+                              self.process)
 
 
 def _process_layer(layer: BoundLayer, shards: RankShards, group: Any, owners: list[tuple[nn.Module, list[str]]],

@@ -17,33 +17,51 @@ A draft's layers in DIR (`manifest.draft`: DeepSeek's MTP layer) are checked and
 the target alone. With vLLM's MTP speculative decoding, the target's gatherer gathers them too, after the
 target's layers (the draft's gather is dispatched, one layer ahead as any, before the target's last layer
 computes), and `load_draft` binds
-them to the draft model, which vLLM loads second (runtime/binding.py, `bind_draft`).
+them to the draft model, which vLLM loads second (runtime/binding.py, `bind_draft`). With quantized targets
+processed at load, the draft's layers are processed too, but only in `load_draft`: their processed layout exists
+once the draft model does (`processed_layers.add_draft`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import ShardprepError
-from ..loader.rank_shards import iter_replicated, open_rank
+from ..loader.rank_shards import RankShards, iter_replicated, open_rank
 from ..manifests.manifest import Manifest, load_manifest
 from ..manifests.shard_groups import group_size_problem
 from ..manifests.strict_json import read_json_file
 from ..planning.accounting import account, draft_account
-from ..runtime.binding import Binding, bind, bind_draft, split_layer_name
+from ..runtime.binding import Binding, bind, bind_draft, draft_layers, split_layer_name
 from ..runtime.gatherer import LayerGatherer
 from ..runtime.shard_groups import shard_group
 from .output_weights import check_all_loaded
 from .parallel_layout import ParallelLayout
-from .processed_layers import PlaceholderGatherer, ProcessedLayers, needs_processing, process_layers
+from .processed_layers import PlaceholderGatherer, ProcessedLayers, add_draft, needs_processing, process_layers
 
-# Per process, the target's binding of each directory served with its draft: the draft model, loaded after the
-# target by the same worker, binds its layers to that binding's gatherer.
-_with_draft: dict[str, Binding] = {}
+
+@dataclass(frozen=True)
+class _ServedWithDraft:
+    """A target served with its draft, as the draft's load finds it: the target's binding, and when the target was
+    processed at load, what processing the draft's layers the same way takes."""
+
+    binding: Binding
+    processed: ProcessedLayers | None = None
+    shards: RankShards | None = None
+    """The rank file as opened (the draft's checkpoint bytes still unread), when the target was processed."""
+    group: Any = None
+    process_quantized: Callable[[nn.Module], None] | None = None
+
+
+# Per process, each directory served with its draft: the draft model, loaded after the target by the same worker,
+# binds its layers to the target's gatherer.
+_with_draft: dict[str, _ServedWithDraft] = {}
 
 
 def serving_manifest(directory: str | Path) -> Manifest:
@@ -157,14 +175,14 @@ def load_sharded(
         served = bind(model, shards, LayerGatherer(shards, group=group.process_group, backend="auto"),
                       model_name=model_name)
         if draft:
-            _with_draft[_key(directory)] = served
+            _with_draft[_key(directory)] = _ServedWithDraft(served)
         return served, None
-    if draft:
-        raise ShardprepError(f"{directory}: quantized targets with a sharded draft are not supported; serve without "
-                             "speculative_config, or in full mode")
     if process_quantized is None:
         raise ShardprepError(f"{directory}: a bound module is quantized, and no step to process it was given")
     processed = process_layers(binding, group.process_group, is_quantized, process_quantized, model_name)
+    if draft:  # the draft's layers are processed once the draft model exists (load_draft)
+        _with_draft[_key(directory)] = _ServedWithDraft(processed.binding, processed, shards, group.process_group,
+                                                        process_quantized)
     return processed.binding, processed
 
 
@@ -177,39 +195,60 @@ def load_draft(
     verify: bool = True,
     is_quantized: Callable[[nn.Module], bool] = lambda module: False,
     optional: Collection[str] = (),
-) -> Binding | None:
+    refuse_post_processed: Callable[[nn.Module, Mapping[str, nn.Parameter]], None] | None = None,
+) -> tuple[Binding | None, ProcessedLayers | None]:
     """Load vLLM's draft model (DeepSeekMTP) of a directory served sharded: its layers in the manifest bound to the
     target's gatherer (`load_sharded(..., draft=True)` ran first in this process), everything else from the
     replicated part. `modules(model, layers)` finds each draft layer's module. Returns the target's binding, now
-    also the draft's; None when the manifest shards no draft layer (the draft is then loaded whole from the
-    replicated part).
+    also the draft's (None when the manifest shards no draft layer: the draft is then loaded whole from the
+    replicated part), and, when the target was processed at load, what processing did with the draft's layers too
+    (`processed_layers.add_draft`: they are processed the same way, quantized or not, and gathered after the
+    target's). Collective over the shard group when the target was processed.
 
     >>> load_draft(mtp, "out/", serving_manifest("out/"), compat.mtp_blocks, compat.keep_plain_linear)  # doctest: +SKIP
     """
     if manifest.draft is None:
         loaded = model.load_weights(iter_replicated(directory, manifest, "cpu", verify))  # type: ignore[operator]
         check_all_loaded(model, loaded, directory, also=optional)
-        return None
-    binding = _with_draft.get(_key(directory))
-    if binding is None:
+        return None, None
+    served = _with_draft.get(_key(directory))
+    if served is None:
         raise ShardprepError(f"{directory}: the draft model was loaded before the target, or the target was not "
                              "served sharded with its draft; shard_weights loads the target first")
-    bound = bind_draft(binding, modules(model, manifest.draft.layers))
+    found = modules(model, manifest.draft.layers)
+    if served.processed is None:
+        bound = bind_draft(served.binding, found)
+    else:  # bound to placeholders, for processing to read them (processed_layers.add_draft)
+        assert served.shards is not None
+        placeholders = PlaceholderGatherer(served.shards)
+        bound = draft_layers(served.shards.manifest, placeholders.layers, found)
+        for layer in bound:
+            layer.point(placeholders.views(layer.index))
+    if refuse_post_processed is not None:
+        refuse_post_processed(model, {name: p for layer in bound for p, name in layer.params})
     ids = {id(param) for layer in bound for param, _ in layer.params}
     for module in model.modules():
         if any(id(p) in ids for p in module.parameters(recurse=False)):
-            if is_quantized(module):
-                raise ShardprepError(f"{directory}: the draft's layer {manifest.draft.layers[0]} is quantized; a "
-                                     "sharded draft takes unquantized weights only; serve it in full mode")
-            keep_plain_linear(module)
+            if not is_quantized(module):
+                keep_plain_linear(module)
+            elif served.processed is None:
+                raise ShardprepError(f"{directory}: the draft's layer {manifest.draft.layers[0]} is quantized but "
+                                     "the target's layers are not; a sharded draft is processed with a processed "
+                                     "target only; serve it in full mode")
     loaded = model.load_weights(iter_replicated(directory, manifest, "cpu", verify))  # type: ignore[operator]
     check_all_loaded(model, loaded, directory, also={*parameter_names(model, ids), *optional})
-    return binding
+    if served.processed is None:
+        return served.binding, None
+    assert served.shards is not None and served.process_quantized is not None
+    processed = add_draft(served.processed, served.shards, served.group, bound, is_quantized,
+                          served.process_quantized)
+    return processed.binding, processed
 
 
-def draft_startup_line(binding: Binding, directory: str | Path) -> str:
+def draft_startup_line(binding: Binding, directory: str | Path, processed: ProcessedLayers | None = None) -> str:
     """The line each rank logs once its draft is bound: which layers, where their gather hides, and the draft's
-    resident and saved bytes apart from the target's.
+    resident and saved bytes apart from the target's; with the draft processed at load (`processed`: what
+    `load_draft` returned), those are the processed bytes, and the line says how many modules were processed.
 
     >>> log.info(draft_startup_line(binding, "out/"))  # doctest: +SKIP
     """
@@ -222,7 +261,10 @@ def draft_startup_line(binding: Binding, directory: str | Path) -> str:
             f"{directory}: layer {layers} gathered after the target's layers (dispatched before the target's last "
             "layer computes), into the target's slots, held through the draft's passes of a step; resident draft bytes "
             f"{draft['resident_bytes']}, saved {draft['saved_bytes']} against {draft['sharded_bytes']} for its full "
-            "weights")
+            "weights"
+            + ("" if processed is None else
+               f"; processed at load: {len(processed.modules)} quantized modules, its bytes as vLLM's kernels read "
+               f"them (the rank file held {processed.rank_file_bytes})"))
 
 
 def _key(directory: str | Path) -> str:

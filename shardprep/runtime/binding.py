@@ -127,6 +127,21 @@ class Binding:
             self._handles.append(layer.module.register_forward_hook(_end_hook(self, layer.weights, layer.position)))
         self.draft_layers.extend(layers)
 
+    def rehome(self, shards: RankShards, gatherer: LayerGatherer) -> None:
+        """Move the bound layers onto `gatherer` over `shards`, which gathers the same layers at the same positions
+        and may gather more after them (sharded mode adds a quantized draft's processed layer so, once the draft
+        model exists). The hooks, the ops' handle and positions, and so `compile_key`, stay; call it before any
+        forward, since the old gatherer's slots are let go.
+
+        >>> binding.rehome(RankShards(manifest, rank, buffer), LayerGatherer(...))  # doctest: +SKIP
+        """
+        if tuple(gatherer.layers[:len(self.layers)]) != tuple(layer.index for layer in self.layers):
+            raise RuntimeShardError(f"the new gatherer gathers layers {list(gatherer.layers)}, not the bound "
+                                    f"layers {[layer.index for layer in self.layers]} first")
+        self.shards, self.gatherer = shards, gatherer
+        for layer in [*self.layers, *self.draft_layers]:
+            layer.point(gatherer.views(layer.index))
+
     def compile_key(self) -> str:
         """A digest of what a compiled graph of the bound model bakes in: the ops' constants (the handle, each
         bound layer's position, layer 0's begin-only op) and which parameters each op declares it writes.
@@ -311,9 +326,21 @@ def bind_draft(binding: Binding, modules: Mapping[int, nn.Module],
 
     >>> bind_draft(target_binding, {61: mtp_model.model.layers["61"].mtp_block})  # doctest: +SKIP
     """
-    manifest = binding.shards.manifest
+    bound = draft_layers(binding.shards.manifest, binding.gatherer.layers, modules, model_name)
+    binding.add_draft(bound)
+    return bound
+
+
+def draft_layers(manifest: Manifest, gathered: Sequence[int], modules: Mapping[int, nn.Module],
+                 model_name: Callable[[str], str] | None = None) -> list[BoundLayer]:
+    """The draft's layers matched to the draft model's modules and checked, neither pointed at views nor hooked:
+    what `bind_draft` binds, and what sharded mode processes first when the draft is quantized. `gathered`: the
+    layers in gather order (the gatherer's `layers`), the draft's last.
+
+    >>> layers = draft_layers(shards.manifest, gatherer.layers, {61: mtp_block})  # doctest: +SKIP
+    """
     drafted = list(manifest.draft.layers) if manifest.draft else []
-    if not drafted or any(i not in binding.gatherer.layers for i in drafted):
+    if not drafted or any(i not in gathered for i in drafted):
         raise RuntimeShardError("the target's binding gathers no draft layer; open the rank file with the "
                                 "draft's layers (open_rank(..., draft=True)) and bind the target over them")
     if len(drafted) > 1:
@@ -323,11 +350,10 @@ def bind_draft(binding: Binding, modules: Mapping[int, nn.Module],
     if missing:
         raise RuntimeShardError(f"the draft model has no module for draft layer {missing[0]}")
     renamed = model_name or _same_name
-    bound = [_bind_layer(manifest.layer(i), binding.gatherer.layers.index(i), modules[i], renamed) for i in drafted]
+    bound = [_bind_layer(manifest.layer(i), list(gathered).index(i), modules[i], renamed) for i in drafted]
     for layer in bound:
         for param, _ in layer.params:
             param.requires_grad_(False)
-    binding.add_draft(bound)
     return bound
 
 

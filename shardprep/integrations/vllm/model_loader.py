@@ -45,6 +45,7 @@ class ShardprepModelLoader(BaseModelLoader):
         self._draft_model = False  # this loader builds vLLM's draft model (DeepSeekMTP), not the target
         self._serves_draft = False  # the target is served with its MTP draft (speculative_config)
         self._without_storage: list[tuple[str, nn.Parameter]] = []
+        self._without_storage_places: dict[int, tuple[nn.Module, str]] = {}
         self._bound_before_processing: dict[str, compat.ParameterPlace] = {}
 
     def download_model(self, model_config: ModelConfig) -> None:
@@ -59,6 +60,10 @@ class ShardprepModelLoader(BaseModelLoader):
         with compat.target_weights_without_storage(bound_later(self._manifest, self._draft_model)) as made:
             model = super().create_model(vllm_config, model_config, prefix)
         self._without_storage = made
+        # Where each one is: a draft module processed at load holds a new parameter object under the same attribute.
+        made_ids = {id(param) for _, param in made}
+        self._without_storage_places = {id(p): (module, attribute) for module in model.modules()
+                                        for attribute, p in module._parameters.items() if id(p) in made_ids}
         return model
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
@@ -94,15 +99,18 @@ class ShardprepModelLoader(BaseModelLoader):
 
     def _load_draft(self, model: nn.Module, directory: str) -> None:
         assert self._manifest is not None
-        binding = load_draft(model, directory, self._manifest, compat.mtp_blocks, compat.keep_plain_linear,
-                             self.options.verify, compat.is_quantized, compat.defaulted_parameters(model))
+        binding, processed = load_draft(
+            model, directory, self._manifest, compat.mtp_blocks, compat.keep_plain_linear, self.options.verify,
+            compat.is_quantized, compat.defaulted_parameters(model), refuse_post_processed=compat.refuse_post_processed)
         bound = set() if binding is None else {id(p) for p in binding.draft_parameters.values()}
-        unbound = [name for name, param in self._without_storage if id(param) not in bound]
+        places = self._without_storage_places
+        unbound = [name for name, param in self._without_storage
+                   if id(places[id(param)][0]._parameters.get(places[id(param)][1])) not in bound]
         if unbound:
             raise ShardprepError(f"{unbound[0]!r} was built without storage as a draft target of {directory}, but "
                                  "no manifest tensor was bound to it; was the directory converted from this model?")
         if binding is not None:
-            compat.logger().info(draft_startup_line(binding, directory))
+            compat.logger().info(draft_startup_line(binding, directory, processed))
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         # vLLM's process_weights_after_loading runs inside, after load_weights: check that it left every
