@@ -21,7 +21,8 @@ the whole process tree, this runner included; a run marked `"refusal": true` ins
 it (SGLang's `custom_sigquit_handler`), so the engine raises instead and the next run can start.
 
 PLAN: {"env" (optional: variables for every engine), "runs": [{"name", "model", "engine" (sgl.Engine kwargs, on
-top of BASE), "prompts", "max_tokens" (one per prompt), "refusal" (optional)}]}.
+top of BASE), "prompts", "max_tokens" (one per prompt), "env" (optional: variables for this engine
+alone), "refusal" (optional)}]}.
 RESULTS: {name: {"tokens": [[ids] per prompt], "max_total_num_tokens": int} or {"error": "Type: message"}}.
 """
 
@@ -35,8 +36,10 @@ import time
 import traceback
 from pathlib import Path
 
+import fixed_cpu_memory
 import gloo_groups
 import torch_native_fill
+import torch_native_mla
 
 HERE = Path(__file__).parent
 ENV = {
@@ -54,7 +57,8 @@ BASE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_grap
         "max_total_tokens": 4096,
         "context_length": 128, "max_running_requests": 8, "random_seed": 0, "log_level": "info",
         "disable_radix_cache": True, "skip_server_warmup": True, "dtype": "bfloat16"}
-PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "torch_native_fill:register"}
+PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "torch_native_fill:register",
+           torch_native_mla.NAME: "torch_native_mla:register", fixed_cpu_memory.NAME: "fixed_cpu_memory:register"}
 
 
 def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict, str]:
@@ -89,6 +93,8 @@ def run_plan(plan: dict) -> dict[str, dict]:
     for number, run in enumerate(plan["runs"]):
         engine = None
         started = time.monotonic()
+        saved = {key: os.environ.get(key) for key in run.get("env", {})}
+        os.environ.update(run.get("env", {}))  # SGLang's schedulers are started now and inherit it
         try:
             # Ports of their own: an engine's ports stay taken a while after its shutdown (TIME_WAIT).
             port = 20000 + 500 * number + os.getpid() % 400
@@ -108,6 +114,11 @@ def run_plan(plan: dict) -> dict[str, dict]:
         finally:
             if engine is not None:
                 engine.shutdown()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     return results
 
 
