@@ -37,8 +37,9 @@ class ShardprepModelLoader(DefaultModelLoader):
     Sharded mode (`model_loader_extra_config={"shard_weights": true}`, DP attention with attention TP 1): each DP
     rank maps only its own rank file, binds the model's targets to a gatherer's views over its shard group (one
     gather per layer, one layer ahead, two slots) and loads only the other weights; this happens inside
-    `load_model`, before SGLang sizes its KV pool from the memory left. A quantized target is refused (SGLang's
-    post-load processing of quantized layers is not wired to sharded mode yet).
+    `load_model`, before SGLang sizes its KV pool from the memory left. A target that SGLang splits over TP,
+    quantizes or pads is refused (`refuse_unshardable`). SGLang's post-load step then runs on the model as
+    usual: DeepseekV2's `post_load_weights` reads only kv_b_proj, which the deepseek-v3 preset keeps replicated.
 
     >>> sgl.Engine(model_path="out/", load_format="shardprep")  # doctest: +SKIP
     """
