@@ -162,7 +162,6 @@ def split_targets(model: nn.Module, is_target: Callable[[str], bool]) -> list[tu
     replicates them (`SGLANG_SHARED_EXPERT_TP1=1`, or an all-to-all MoE backend such as DeepEP).
 
     >>> split_targets(model, bound_later(manifest))  # doctest: +SKIP
-    [('model.layers.1.mlp.shared_experts.gate_up_proj', 2), ...]
     """
     from sglang.srt.distributed.utils import get_group_rank_size
     from sglang.srt.layers.linear import LinearBase
@@ -186,7 +185,6 @@ def padded_sizes(model_config: Any) -> dict[str, tuple[int, int]]:
     multiple of tp_size × 32, and the MLP weights it builds are then larger than the checkpoint's (zero-padded).
 
     >>> padded_sizes(model_config)  # doctest: +SKIP
-    {'moe_intermediate_size': (32, 64)}
     """
     config = model_config.hf_config
     return {name: (getattr(config, f"original_{name}"), getattr(config, name)) for name in PADDED_SIZES
@@ -197,7 +195,6 @@ def quantized_targets(model: nn.Module, is_target: Callable[[str], bool]) -> lis
     """The target linear layers SGLang built with a quantized method: (name, the method's class name).
 
     >>> quantized_targets(model, bound_later(manifest))  # doctest: +SKIP
-    [('model.layers.1.self_attn.fused_qkv_a_proj_with_mqa', 'Fp8LinearMethod'), ...]
     """
     from sglang.srt.layers.linear import LinearBase
 
