@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj",
-         "deepseek-v3-mla-blocks", "deepseek-v3-mla-blocks-8-heads", "kimi-linear", "bert", "kimi-k3",
-         "deepseek-v3-mtp", "deepseek-v3-mla-mtp", "deepseek-v3-mla-blocks-mtp", "kimi-k3-mtp")
+ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-published", "deepseek-v3-mla", "kimi-k2-mla",
+         "deepseek-v3-mla-q-proj", "deepseek-v3-mla-blocks", "deepseek-v3-mla-blocks-8-heads", "kimi-linear", "bert",
+         "kimi-k3", "deepseek-v3-mtp", "deepseek-v3-mla-mtp", "deepseek-v3-mla-blocks-mtp", "kimi-k3-mtp")
 MTP_SUFFIX = "-mtp"
 """`ARCH-mtp`: the DeepSeek-V3 `ARCH` with one MTP layer, laid out as DeepSeek publishes it (make_mtp_checkpoint);
 `kimi-k3-mtp`: Kimi K3 with its MTP layer (make_kimi_k3_checkpoint)."""
@@ -27,6 +27,13 @@ MTP_SUFFIX = "-mtp"
 # The MLA dimensions of DeepSeek-V3 and Kimi-K2 that vLLM's CPU MLA kernel accepts (its latent head is
 # kv_lora_rank + qk_rope_head_dim = 576 wide, nothing else); q_lora_rank is the real models' 1536 shrunk.
 MLA_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+
+# From DeepSeek-V3's published config.json: its rope (rope_scaling: yarn, factor 40 over 4096 positions, beta 32/1,
+# mscale 1/1; the factor and original window shrunk to fit max_position_embeddings 256) and MoE keys.
+PUBLISHED = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0},
+             "moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 LLAMA_ALL_LINEAR = {
     "name": "llama-all-linear",
@@ -64,13 +71,19 @@ def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 12
                                  num_key_value_heads=2, head_dim=head_dim or 16, num_experts=4, num_experts_per_tok=2,
                                  max_position_embeddings=256, decoder_sparse_step=1, mlp_only_layers=[],
                                  tie_word_embeddings=False)
-    if arch == "deepseek-v3":
+    if arch in ("deepseek-v3", "deepseek-v3-published"):
+        # `-published`: with what DeepSeek-V3's config.json has and transformers' config leaves out, which
+        # SGLang reads: its YaRN rope (SGLang's CPU path builds MLA's rotary embedding for no other rope,
+        # `get_rope_cpu`) and its MoE keys (moe_layer_freq, topk_method, scoring_func).
+        # Its experts 64 wide: SGLang pads MoE sizes on the CPU to a multiple of tp_size x 32 (TP 2 here).
+        published = PUBLISHED if arch.endswith("-published") else {}
         return tf.DeepseekV3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                                   moe_intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                                   num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
-                                   n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                                   moe_intermediate_size=64 if published else 32, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                                   num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                   q_lora_rank=32, kv_lora_rank=32,
                                    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1,
-                                   topk_group=1, max_position_embeddings=256, tie_word_embeddings=False)
+                                   topk_group=1, max_position_embeddings=256, tie_word_embeddings=False, **published)
     if arch in ("deepseek-v3-mla", "deepseek-v3-mla-q-proj"):
         # topk_method / scoring_func: vLLM builds the router's e_score_correction_bias (which transformers'
         # DeepSeek-V3 always has) only for noaux_tc, and scores with softmax unless told sigmoid.

@@ -42,9 +42,11 @@ import traceback
 import urllib.request
 from pathlib import Path
 
+import fixed_cpu_memory
 import gloo_groups
 import opened_files
 import torch_native_fill
+import torch_native_mla
 
 HERE = Path(__file__).parent
 ENV = {
@@ -63,7 +65,8 @@ BASE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_grap
         "context_length": 128, "max_running_requests": 8, "random_seed": 0, "log_level": "info",
         "disable_radix_cache": True, "skip_server_warmup": True, "dtype": "bfloat16"}
 PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "torch_native_fill:register",
-           opened_files.NAME: "opened_files:register"}
+           opened_files.NAME: "opened_files:register", torch_native_mla.NAME: "torch_native_mla:register",
+           fixed_cpu_memory.NAME: "fixed_cpu_memory:register"}
 
 
 def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict, str]:
@@ -98,8 +101,8 @@ def run_plan(plan: dict) -> dict[str, dict]:
     for number, run in enumerate(plan["runs"]):
         engine = None
         started = time.monotonic()
-        saved = dict(os.environ)
-        os.environ.update(run.get("env", {}))  # SGLang's processes start from this environment
+        saved = {key: os.environ.get(key) for key in run.get("env", {})}
+        os.environ.update(run.get("env", {}))  # SGLang's schedulers are started now and inherit it
         try:
             # Ports of their own: an engine's ports stay taken a while after its shutdown (TIME_WAIT).
             port = 20000 + 500 * number + os.getpid() % 400
@@ -122,8 +125,11 @@ def run_plan(plan: dict) -> dict[str, dict]:
         finally:
             if engine is not None:
                 engine.shutdown()
-            os.environ.clear()
-            os.environ.update(saved)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     return results
 
 

@@ -10,6 +10,9 @@
   IDLE batches through every layer).
 - Building the model: a linear layer creates its weight in its method's `create_weights` while the model's
   constructor runs; `target_weights_without_storage` makes the targets' weights there without storage.
+- SGLang's parameter names where they differ from the manifest's (`model_name`), which targets SGLang splits
+  over its TP ranks instead of replicating them (`split_targets`), and which MLP sizes it pads on the CPU
+  (`padded_sizes`).
 - The CPU linear layers: with AMX, SGLang repacks an unquantized weight after loading (`_amx_process_weight_
   after_loading`) for its own kernel; a layer whose weight is swapped in per forward must keep the plain path
   (`keep_plain_linear`).
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -120,6 +123,83 @@ def keep_plain_linear(module: nn.Module) -> None:
     method = getattr(module, "quant_method", None)
     if method is not None and not isinstance(method, PlainLinearMethod):
         module.quant_method = PlainLinearMethod(method)  # type: ignore[assignment]  # an attribute of the layer
+
+
+MODEL_NAMES = {"self_attn.fused_qkv_a_proj.weight": "self_attn.fused_qkv_a_proj_with_mqa.weight"}
+"""A manifest's fused view (the preset's name, vLLM's) → SGLang's parameter, where the two differ: SGLang's
+DeepseekV2 fuses q_a_proj and kv_a_proj_with_mqa, in that order, into `fused_qkv_a_proj_with_mqa`."""
+
+
+def model_name(name: str) -> str:
+    """SGLang's name for a manifest tensor name (bind's `model_name`).
+
+    >>> model_name("model.layers.1.self_attn.fused_qkv_a_proj.weight")
+    'model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight'
+    """
+    return _renamed(name, MODEL_NAMES.items())
+
+
+def manifest_name(name: str) -> str:
+    """The manifest's name for an SGLang parameter name (`model_name`'s inverse).
+
+    >>> manifest_name("model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight")
+    'model.layers.1.self_attn.fused_qkv_a_proj.weight'
+    """
+    return _renamed(name, ((sglangs, ours) for ours, sglangs in MODEL_NAMES.items()))
+
+
+def _renamed(name: str, renames: Iterable[tuple[str, str]]) -> str:
+    for old, new in renames:
+        if name.endswith("." + old):
+            return name[:-len(old)] + new
+    return name
+
+
+def split_targets(model: nn.Module, is_target: Callable[[str], bool]) -> list[tuple[str, int]]:
+    """The target linear layers that SGLang splits over several ranks (name, ranks): their weights differ from
+    rank to rank, so there is nothing replicated to shard. Under DP attention SGLang's attention layers use the
+    attention TP group (size 1), but a DeepSeek MoE layer's shared experts use the whole TP group unless SGLang
+    replicates them (`SGLANG_SHARED_EXPERT_TP1=1`, or an all-to-all MoE backend such as DeepEP).
+
+    >>> split_targets(model, bound_later(manifest))  # doctest: +SKIP
+    """
+    from sglang.srt.distributed.utils import get_group_rank_size
+    from sglang.srt.layers.linear import LinearBase
+
+    split = []
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase) and is_target(f"{name}.weight"):
+            ranks = get_group_rank_size(getattr(module, "tp_group", None))[1]
+            if ranks > 1:
+                split.append((name, ranks))
+    return split
+
+
+PADDED_SIZES = ("moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size")
+"""The MLP sizes SGLang pads on the CPU under TP (`adjust_config_with_unaligned_cpu_tp`), keeping the checkpoint's
+as `original_<name>` in the model's config."""
+
+
+def padded_sizes(model_config: Any) -> dict[str, tuple[int, int]]:
+    """{size name: (the checkpoint's, SGLang's)} for every MLP size SGLang padded: on the CPU it rounds them up to a
+    multiple of tp_size × 32, and the MLP weights it builds are then larger than the checkpoint's (zero-padded).
+
+    >>> padded_sizes(model_config)  # doctest: +SKIP
+    """
+    config = model_config.hf_config
+    return {name: (getattr(config, f"original_{name}"), getattr(config, name)) for name in PADDED_SIZES
+            if hasattr(config, f"original_{name}") and getattr(config, f"original_{name}") != getattr(config, name)}
+
+
+def quantized_targets(model: nn.Module, is_target: Callable[[str], bool]) -> list[tuple[str, str]]:
+    """The target linear layers SGLang built with a quantized method: (name, the method's class name).
+
+    >>> quantized_targets(model, bound_later(manifest))  # doctest: +SKIP
+    """
+    from sglang.srt.layers.linear import LinearBase
+
+    return [(name, type(getattr(module, "quant_method", None)).__name__) for name, module in model.named_modules()
+            if isinstance(module, LinearBase) and is_target(f"{name}.weight") and is_quantized(module)]
 
 
 def is_quantized(module: nn.Module) -> bool:

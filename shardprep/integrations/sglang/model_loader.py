@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 from sglang.srt.configs.device_config import DeviceConfig
@@ -18,11 +18,11 @@ from sglang.srt.model_loader.utils import set_default_torch_dtype
 from torch import nn
 
 from ...errors import ShardprepError
-from ...manifests.manifest import load_manifest
+from ...manifests.manifest import Manifest, load_manifest
 from ...runtime.binding import Binding
 from ..load_options import ShardprepLoadOptions
 from ..output_weights import output_weights
-from ..sharded_mode import bound_later, load_sharded, parameter_names, startup_line
+from ..sharded_mode import bound_later, check_layout, load_sharded, parameter_names, startup_line
 from . import compat
 
 
@@ -37,8 +37,9 @@ class ShardprepModelLoader(DefaultModelLoader):
     Sharded mode (`model_loader_extra_config={"shard_weights": true}`, DP attention with attention TP 1): each DP
     rank maps only its own rank file, binds the model's targets to a gatherer's views over its shard group (one
     gather per layer, one layer ahead, two slots) and loads only the other weights; this happens inside
-    `load_model`, before SGLang sizes its KV pool from the memory left. A quantized target is refused (SGLang's
-    post-load processing of quantized layers is not wired to sharded mode yet).
+    `load_model`, before SGLang sizes its KV pool from the memory left. A target that SGLang splits over TP,
+    quantizes or pads is refused (`refuse_unshardable`). SGLang's post-load step then runs on the model as
+    usual: DeepseekV2's `post_load_weights` reads only kv_b_proj, which the deepseek-v3 preset keeps replicated.
 
     >>> sgl.Engine(model_path="out/", load_format="shardprep")  # doctest: +SKIP
     """
@@ -66,12 +67,21 @@ class ShardprepModelLoader(DefaultModelLoader):
         with set_default_torch_dtype(model_config.dtype):
             # The targets' weights are built without storage, so no rank ever holds them whole: the load peaks
             # at its steady state.
-            with device, compat.target_weights_without_storage(bound_later(manifest)) as made:
+            is_target = bound_later(manifest)
+
+            def sglang_target(name: str) -> bool:
+                return is_target(compat.manifest_name(name))
+
+            with device, compat.target_weights_without_storage(sglang_target) as made:
                 model = _initialize_model(model_config, self.load_config, quant_config)
+            layout = compat.current_layout(device)
+            # The layout's refusals first: under attention TP > 1 every attention target is split too.
+            check_layout(layout, manifest, directory, self.options.shard_group_size)
+            refuse_unshardable(model, model_config, manifest, directory, sglang_target)
             self.binding, processed = load_sharded(
-                model, directory, compat.current_layout(device), compat.keep_plain_linear, self.options.verify,
+                model, directory, layout, compat.keep_plain_linear, self.options.verify,
                 self.options.shard_group_size, self.options.allow_cross_node_groups, manifest=manifest,
-                is_quantized=compat.is_quantized)
+                is_quantized=compat.is_quantized, model_name=compat.model_name)
             bound = parameter_names(model, {id(p) for p in self.binding.target_parameters.values()})
             unbound = [name for name, _ in made if name not in bound]
             if unbound:
@@ -81,3 +91,34 @@ class ShardprepModelLoader(DefaultModelLoader):
         compat.logger().info(startup_line(self.binding, directory, processed)
                              + f"; {len(made)} target weights built without storage")
         return model.eval()
+
+
+def refuse_unshardable(model: nn.Module, model_config: ModelConfig, manifest: Manifest, directory: str,
+                       is_target: Callable[[str], bool]) -> None:
+    """Refuse, in one line, targets that SGLang built so that no rank holds the checkpoint's replicated weight:
+    split over its TP ranks, quantized (rewritten after loading), or padded (MLP sizes on the CPU under TP).
+
+    >>> refuse_unshardable(model, model_config, manifest, "out/", is_target)  # doctest: +SKIP
+    """
+    split = compat.split_targets(model, is_target)
+    if split:
+        name, ranks = split[0]
+        advice = ("set SGLANG_SHARED_EXPERT_TP1=1 (SGLang then replicates the shared experts, as under DeepEP), "
+                  if ".shared_experts." in name else "")
+        raise ShardprepError(f"{directory}: SGLang splits the target {name} over its {ranks} TP ranks, so it is not "
+                             f"replicated under DP attention and cannot be sharded; {advice}convert with a preset "
+                             "that leaves it out, or serve in full mode")
+    quantized = compat.quantized_targets(model, is_target)
+    if quantized:
+        name, method = quantized[0]
+        raise ShardprepError(f"{directory}: the target {name} is quantized ({method}), and sharded mode does not "
+                             "process SGLang's quantized layers (it rewrites their weights after loading); serve it "
+                             "in full mode, or convert an unquantized checkpoint")
+    padded = compat.padded_sizes(model_config)
+    mlp_targets = [name for name in manifest.target_names() if ".mlp." in name]
+    if padded and mlp_targets:
+        size, (checkpoint, sglangs) = next(iter(padded.items()))
+        raise ShardprepError(f"{directory}: SGLang pads {size} from {checkpoint} to {sglangs} on the CPU under TP, so "
+                             f"MLP targets such as {mlp_targets[0]} are built larger than the checkpoint's; serve it "
+                             f"in full mode, or convert a checkpoint whose {size} SGLang leaves as is (a multiple of "
+                             "tp_size x 32)")
