@@ -87,7 +87,7 @@ def main() -> None:
     from spawn_group import free_port
 
     from shardprep.prep.convert import convert
-    from shardprep.runtime.hf_model import build_model
+    from shardprep.standalone.hf_model import build_model
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.utils.logging.disable_progress_bar()

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardprep.runtime.block_fp8 import block_fp8_linear, quantize_activations  # noqa: E402
+from shardprep.standalone.block_fp8 import block_fp8_linear, quantize_activations  # noqa: E402
 
 H, F, LAYERS = 8192, 28672, 8
 DATASHEET_BYTES_PER_S = 4.8e12

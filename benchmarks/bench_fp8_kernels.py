@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fp8_gemm import LAYERS, F, H, block_quantized, timed  # noqa: E402
 
-from shardprep.runtime.block_fp8 import quantize_activations  # noqa: E402
-from shardprep.runtime.fp8_activation_kernel import quantize_for_gemm  # noqa: E402
+from shardprep.standalone.block_fp8 import quantize_activations  # noqa: E402
+from shardprep.standalone.fp8_activation_kernel import quantize_for_gemm  # noqa: E402
 
 
 def plain_ops(x):

@@ -130,7 +130,7 @@ import torch
 import torch.distributed as dist
 from shardprep.loader import open_rank
 from shardprep.runtime import LayerGatherer, make_backend
-from shardprep.runtime.hf_model import build_model
+from shardprep.standalone.hf_model import build_model
 from transformers.models.llama import modeling_llama  # imported before the baseline, like everything else
 
 rank, n, args = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), {args!r}

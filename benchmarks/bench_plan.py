@@ -8,7 +8,7 @@ The MEASURED.md setup: a synthetic decoder stack of 8 layers; per layer, sharded
 the compute. Public API only. In one launch of `--world` ranks (one GPU each):
 
 1. profile: the stack with every layer sharded, bound with `bind`, measured by
-   `shardprep.runtime.profile.profile_binding` (what `shardprep profile` runs on a real model);
+   `shardprep.standalone.profile.profile_binding` (what `shardprep profile` runs on a real model);
 2. plan: `shardprep.prep.payoff.plan_sharding` on the stack's manifest and config with that profile
    (what `shardprep plan OUT --profile` runs); its choice of layers;
 3. measure, per token count, the replicated step and three choices: every layer, every other layer
@@ -202,8 +202,8 @@ def worker(args, workdir: str):
     import torch
     import torch.distributed as dist
 
-    from shardprep.runtime.profile import ProfileOptions, profile_binding
-    from shardprep.runtime.timing import DeviceClock, median, slowest
+    from shardprep.standalone.profile import ProfileOptions, profile_binding
+    from shardprep.standalone.timing import DeviceClock, median, slowest
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.dry_run:
@@ -406,7 +406,7 @@ def main(argv=None) -> int:
         if torch.cuda.device_count() < args.world:
             print(f"needs {args.world} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
             return 2
-    from shardprep.runtime.launch import launch_local
+    from shardprep.standalone.launch import launch_local
 
     t = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:

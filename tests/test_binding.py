@@ -17,7 +17,7 @@ from shardprep.loader.rank_shards import open_rank
 from shardprep.prep.convert import convert
 from shardprep.runtime.binding import bind
 from shardprep.runtime.gatherer import LayerGatherer
-from shardprep.runtime.hf_model import build_model
+from shardprep.standalone.hf_model import build_model
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,7 @@ def test_every_json_output_carries_a_schema_tag(checkpoint_cache, tmp_path):
 def test_run_backend_choices_match_the_runtime_backends():
     from shardprep.cli.run import Backend
     from shardprep.runtime.backends import BACKENDS
-    from shardprep.runtime.runner import BACKEND_CHOICES
+    from shardprep.standalone.runner import BACKEND_CHOICES
 
     assert {b.value for b in Backend} == set(BACKEND_CHOICES) == {"auto", *BACKENDS}
 

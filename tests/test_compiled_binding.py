@@ -41,7 +41,7 @@ def _transformers_logits(src, ids):
 
 
 def _dynamo_rank(rank, world_size, src, out):
-    from shardprep.runtime.hf_model import build_model
+    from shardprep.standalone.hf_model import build_model
 
     ids = torch.tensor([[1, 5, 7, 9, 33, 40 + rank]])
     binding = build_model(out, "cpu")

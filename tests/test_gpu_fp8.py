@@ -44,7 +44,7 @@ def fp8_dirs(checkpoint_cache, tmp_path_factory):
 def test_the_block_scaled_gemm_is_the_float64_product_of_its_dequantized_operands():
     from fp8_fixture import quantize_block_fp8
 
-    from shardprep.runtime.block_fp8 import block_fp8_linear, dequantize_blocks, quantize_activations, uses_scaled_mm
+    from shardprep.standalone.block_fp8 import block_fp8_linear, dequantize_blocks, quantize_activations, uses_scaled_mm
 
     torch.manual_seed(0)
     for m, k, n in ((64, 7168, 1536), (16, 8192, 28672), (5, 512, 256)):
@@ -63,8 +63,8 @@ def test_the_block_scaled_gemm_is_the_float64_product_of_its_dequantized_operand
 
 @pytest.mark.parametrize("m,k", [(4, 512), (16, 8192), (100, 28672), (1000, 7168)])
 def test_the_triton_quantization_gives_the_torch_ops_codes_and_scales_bit_for_bit(m, k):
-    from shardprep.runtime.block_fp8 import quantize_activations
-    from shardprep.runtime.fp8_activation_kernel import quantize_for_gemm
+    from shardprep.standalone.block_fp8 import quantize_activations
+    from shardprep.standalone.fp8_activation_kernel import quantize_for_gemm
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 5
     x[0, :128] = 0  # an all-zero group
@@ -81,7 +81,7 @@ def test_the_block_scaled_gemm_reads_only_its_operands(m, k, n):
     # byte outside its operands (with K/128 not a multiple of 4 cuBLAS's did; uses_scaled_mm keeps those off it).
     from fp8_fixture import quantize_block_fp8
 
-    from shardprep.runtime.block_fp8 import block_fp8_linear, uses_scaled_mm
+    from shardprep.standalone.block_fp8 import block_fp8_linear, uses_scaled_mm
 
     torch.manual_seed(1)
     weight, scale = (t.cuda() for t in quantize_block_fp8(torch.randn(n, k)))
@@ -99,8 +99,8 @@ def test_the_block_scaled_gemm_reads_only_its_operands(m, k, n):
 
 
 def _graph_rank(rank, world_size, out, plain, graphs):
-    from shardprep.runtime.block_fp8 import uses_scaled_mm
-    from shardprep.runtime.hf_model import build_model, load_unsharded
+    from shardprep.standalone.block_fp8 import uses_scaled_mm
+    from shardprep.standalone.hf_model import build_model, load_unsharded
 
     device = torch.device("cuda", 0)
     ids = torch.remainder(torch.arange(24, device=device) * 7 + 3, 128).view(1, 24)

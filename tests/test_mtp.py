@@ -156,7 +156,7 @@ def test_the_layer_mismatch_refusal_names_each_sides_layers_and_whether_the_extr
 def test_a_draft_record_that_disagrees_with_the_config_is_refused(mtp_out, tmp_path):
     import shutil
 
-    from shardprep.runtime.hf_model import build_model
+    from shardprep.standalone.hf_model import build_model
 
     bad = tmp_path / "bad"
     shutil.copytree(mtp_out, bad)

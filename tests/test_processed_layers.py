@@ -23,7 +23,7 @@ from shardprep.integrations.vllm.compat import process_quantized
 from shardprep.loader.rank_shards import open_rank
 from shardprep.prep.convert import convert
 from shardprep.runtime.binding import bind
-from shardprep.runtime.hf_model import build_model
+from shardprep.standalone.hf_model import build_model
 
 PROMPT = [[1, 5, 9, 2, 7, 3]]
 

@@ -62,7 +62,7 @@ def replicated_parameter_bytes(src, out, causal):
     """Bytes of the parameters transformers builds for the source's non-targets (its router may upcast to float32)."""
     import transformers
 
-    from shardprep.runtime.hf_model import checkpoint_renaming
+    from shardprep.standalone.hf_model import checkpoint_renaming
 
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     model = auto.from_pretrained(src)

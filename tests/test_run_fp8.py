@@ -16,8 +16,8 @@ from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert
 from shardprep.prep.export import export
 from shardprep.prep.requant_jobs import RequantOptions
-from shardprep.runtime.block_fp8 import block_fp8_linear, dequantize_blocks
-from shardprep.runtime.hf_model import load_unsharded
+from shardprep.standalone.block_fp8 import block_fp8_linear, dequantize_blocks
+from shardprep.standalone.hf_model import load_unsharded
 
 PROMPTS = ["hello world", "the model shard", "gpu"]
 

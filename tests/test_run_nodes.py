@@ -16,7 +16,7 @@ from test_run import run_at_once
 
 from shardprep.errors import OptionsMismatchError
 from shardprep.prep.convert import convert
-from shardprep.runtime.runner import RunOptions, agreed_options, check_same_options
+from shardprep.standalone.runner import RunOptions, agreed_options, check_same_options
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def _warm_imports() -> None:
     from transformers.models.llama import modeling_llama  # noqa: F401
 
     from shardprep.runtime import LayerGatherer  # noqa: F401
-    from shardprep.runtime.hf_model import build_model  # noqa: F401
+    from shardprep.standalone.hf_model import build_model  # noqa: F401
 
 
 # -- CPU ----------------------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def _cpu_startup(rank: int, n: int, out: str) -> dict:
 
     from shardprep.loader import open_rank
     from shardprep.runtime import LayerGatherer, make_backend
-    from shardprep.runtime.hf_model import build_model
+    from shardprep.standalone.hf_model import build_model
 
     _warm_imports()
     make_backend("gloo", None, "cpu")  # gloo's connections, which the gatherer's probe would set up first
@@ -143,7 +143,7 @@ def _gpu_startup(rank: int, n: int, out: str, backend: str) -> dict:
 
     from shardprep.loader import open_rank
     from shardprep.runtime import LayerGatherer, make_backend
-    from shardprep.runtime.hf_model import build_model
+    from shardprep.standalone.hf_model import build_model
 
     device = torch.device("cuda", rank)
     _warm_imports()

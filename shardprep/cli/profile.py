@@ -49,7 +49,7 @@ def profile_command(
     """Time each layer's compute (replicated weights, in CUDA-graph replays on CUDA), each backend's gathers and
     the HBM interference between them, on the real model bound to the real GPUs; write them for
     `shardprep plan --profile`."""
-    from ..runtime.profile import ProfileOptions, profile
+    from ..standalone.profile import ProfileOptions, profile
 
     with cli_errors(), ExitStack() as stack:
         counts = parse_token_counts(tokens) if tokens else None

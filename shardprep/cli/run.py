@@ -16,7 +16,7 @@ from ._errors import EXIT_ERROR, cli_errors, print_error
 from ._format import human_bytes
 
 if TYPE_CHECKING:
-    from ..runtime.runner import RunReport
+    from ..standalone.runner import RunReport
 
 
 class Device(str, Enum):
@@ -74,7 +74,7 @@ def run_command(
                                                                                 "shipped in DIR.")] = False,
 ) -> None:
     """Run prompts on ranks in shard groups of N from a pre-sharded directory; rank 0 prints the generated text."""
-    from ..runtime.runner import DEFAULT_PROMPT, RunOptions, is_torchrun_worker, run
+    from ..standalone.runner import DEFAULT_PROMPT, RunOptions, is_torchrun_worker, run
 
     options = RunOptions(directory, tuple(prompt or (DEFAULT_PROMPT,)), max_new_tokens, device.value, backend.value,
                          save_outputs, json_out, trust_remote_code, shard_group_size, allow_cross_node_groups)
@@ -95,7 +95,7 @@ def run_command(
 def report_worker_failure(line: str) -> None:
     """A worker's failure line: handed to its agent, which prints it (`shardprep run`: one line per node, not
     one per rank), or printed here too under another launcher (torchrun prints only its own summary)."""
-    from ..runtime.launch import AGENT_PRINTS_FAILURES, hand_to_agent
+    from ..standalone.launch import AGENT_PRINTS_FAILURES, hand_to_agent
 
     hand_to_agent(line)
     if not os.environ.get(AGENT_PRINTS_FAILURES):

@@ -30,7 +30,7 @@ NOTICE_TEXT = (
     "Written by shardprep. The tensors that model.safetensors.index.json maps to "
     f"{SHARDED_SENTINEL} are sharded across shards/rank-*.safetensors (see shard_manifest.json and "
     "docs/format.md); a plain loader would leave them uninitialised. Load this directory with shardprep "
-    "(shardprep.runtime.hf_model.build_model, or open_rank and LayerGatherer)."
+    "(shardprep.standalone.hf_model.build_model, or open_rank and LayerGatherer)."
 )
 # An index lists every tensor once: about 100 bytes each, so this allows millions of tensors.
 MAX_INDEX_BYTES = 256 << 20

@@ -29,8 +29,8 @@ from .launch import FailureBoard, Nodes
 if TYPE_CHECKING:
     import torch
 
-    from .binding import Binding
-    from .shard_groups import ShardGroup
+    from ..runtime.binding import Binding
+    from ..runtime.shard_groups import ShardGroup
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 DEFAULT_PROMPT = "hello world"
@@ -247,7 +247,7 @@ def check_options(options: RunOptions, nproc: int | None = None, nodes: Nodes | 
         raise RuntimeShardError(f"--nproc-per-node must be >= 1, got {per_node}")
     group_size = check_group_size(options, manifest, nodes.nnodes * per_node)
     if not options.allow_cross_node_groups:
-        from .shard_groups import cross_node_refusal
+        from ..runtime.shard_groups import cross_node_refusal
 
         refusal = cross_node_refusal(ShardGroups.node_major(nodes.nnodes * per_node, group_size, per_node))
         if refusal is not None:
@@ -290,8 +290,8 @@ def run_worker(options: RunOptions, on_peer_failure: Callable[[str], None] | Non
     import torch
     import torch.distributed as dist
 
+    from ..runtime.shard_groups import shard_group
     from .launch import init_local_rank
-    from .shard_groups import shard_group
 
     manifest = check_run_dir(options.directory)
     group_size = check_group_size(options, manifest, int(os.environ["WORLD_SIZE"]))

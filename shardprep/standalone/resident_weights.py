@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .views import layer_views
+from ..runtime.views import layer_views
 
 if TYPE_CHECKING:
-    from .binding import Binding
+    from ..runtime.binding import Binding
 
 
 class ResidentWeights:

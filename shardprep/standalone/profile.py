@@ -39,8 +39,8 @@ from torch.profiler import ProfilerActivity, record_function
 from ..errors import RuntimeShardError
 from ..manifests.manifest import load_manifest
 from ..planning.profile_format import BackendTimes, LayerTimes, Profile
-from .binding import Binding, bind
-from .gatherer import LayerGatherer
+from ..runtime.binding import Binding, bind
+from ..runtime.gatherer import LayerGatherer
 from .launch import init_local_rank, launch_local
 from .resident_weights import ResidentWeights
 from .timing import DeviceClock, Mark, median, slowest

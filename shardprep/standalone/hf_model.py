@@ -20,12 +20,12 @@ import torch
 from ..errors import RuntimeShardError
 from ..manifests.dtypes import torch_dtype
 from ..manifests.manifest import MANIFEST_NAME, load_manifest
-from .binding import Binding, bind
+from ..runtime.binding import Binding, bind
 from .block_fp8 import block_size, use_block_fp8_kernels
 
 if TYPE_CHECKING:
     from ..loader.rank_shards import RankShards
-    from .gatherer import LayerGatherer
+    from ..runtime.gatherer import LayerGatherer
 
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
@@ -75,7 +75,7 @@ def build_model(
     draft = manifest.draft
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed and group is None:
-        from .shard_groups import shard_group
+        from ..runtime.shard_groups import shard_group
 
         group = shard_group(manifest.world_size).process_group
     if shards is None:
@@ -88,7 +88,7 @@ def build_model(
         shards = open_rank(directory, rank or 0, world_size=world_size, device=device, manifest=manifest,
                            draft=False)
     if gatherer is None:
-        from .gatherer import LayerGatherer
+        from ..runtime.gatherer import LayerGatherer
 
         gatherer = LayerGatherer(shards, group=group, backend=backend)
 
