@@ -9,7 +9,7 @@ the compute. Public API only. In one launch of `--world` ranks (one GPU each):
 
 1. profile: the stack with every layer sharded, bound with `bind`, measured by
    `shardprep.standalone.profile.profile_binding` (what `shardprep profile` runs on a real model);
-2. plan: `shardprep.prep.payoff.plan_sharding` on the stack's manifest and config with that profile
+2. plan: `shardprep.prep.deployment_plan.plan_sharding` on the stack's manifest and config with that profile
    (what `shardprep plan OUT --profile` runs); its choice of layers;
 3. measure, per token count, the replicated step and three choices: every layer, every other layer
    (1-:2), and the plan's (if it chose none: its "pays from" choice, else the cheapest set that saves
@@ -300,7 +300,7 @@ def plan(args, weights, profile, workdir):
     from shardprep.manifests import FileRecord
     from shardprep.manifests.checksums import file_digest
     from shardprep.planning.layer_choice import least_overhead
-    from shardprep.prep.payoff import PlanRequest, plan_sharding
+    from shardprep.prep.deployment_plan import PlanRequest, plan_sharding
     from shardprep.prep.selection import parse_layers
 
     out = Path(workdir) / "stack"

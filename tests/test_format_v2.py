@@ -18,7 +18,7 @@ from shardprep.manifests import load_manifest
 from shardprep.manifests.layout import TensorSpec
 from shardprep.manifests.replicated import NOTICE_FILE, NOTICE_TENSOR, SHARDED_SENTINEL
 from shardprep.prep.convert import convert
-from shardprep.prep.plan import AUTO_CHUNK_ALIGNMENT, choose_rank_layout
+from shardprep.prep.convert_plan import AUTO_CHUNK_ALIGNMENT, choose_rank_layout
 from shardprep.prep.selection import TargetPlan
 from shardprep.prep.validate import validate
 

@@ -18,7 +18,7 @@ from shardprep.errors import ManifestError, RuntimeShardError
 from shardprep.manifests.draft_layers import DraftLayers
 from shardprep.manifests.manifest import MANIFEST_NAME, load_manifest, seal
 from shardprep.prep.convert import convert
-from shardprep.prep.payoff import PlanRequest, plan_sharding
+from shardprep.prep.deployment_plan import PlanRequest, plan_sharding
 from shardprep.prep.selection import parse_layers
 from shardprep.prep.validate import validate
 

@@ -23,8 +23,8 @@ import shardprep.prep.writer as writer
 from shardprep.cli import app
 from shardprep.errors import OutputError, SourceError
 from shardprep.prep.convert import convert
+from shardprep.prep.convert_plan import make_plan
 from shardprep.prep.output_dir import is_staging_dir, output_outcome, staged_output
-from shardprep.prep.plan import make_plan
 from shardprep.prep.selection import Selection, load_preset
 from shardprep.prep.source import open_source
 from shardprep.prep.validate import validate

@@ -17,7 +17,7 @@ from shardprep.manifests import load_manifest
 from shardprep.planning.kv_cache import kv_cache_shape
 from shardprep.planning.profile_format import BackendTimes, LayerTimes, Profile
 from shardprep.prep.convert import convert
-from shardprep.prep.plan import make_plan
+from shardprep.prep.convert_plan import make_plan
 from shardprep.prep.selection import Selection, load_preset, parse_layers
 from shardprep.prep.source import open_source
 

@@ -22,7 +22,7 @@ HbmGb = Annotated[float | None, typer.Option(
     metavar="GB", help="HBM per GPU in GB (10^9 bytes); default 141 (an H200), or give --gpu.")]
 Gpu = Annotated[str | None, typer.Option(
     metavar="NAME", help="The GPU, for its HBM instead of --hbm-gb: h100 (80 GB), h200 (141), b200 (192), b300, "
-    "a100, h20, mi300x, ... (parallel_layout.GPU_HBM_GB).")]
+    "a100, h20, mi300x, ... (expert_parallel.GPU_HBM_GB).")]
 Ep = Annotated[int, typer.Option(
     "--ep", min=1, metavar="E", help="Expert-parallel ranks each MoE layer's routed experts are split over, as "
     "vLLM and SGLang place them (default 1: every GPU holds every expert).")]

@@ -51,7 +51,7 @@ def inspect_command(
     = False,
 ) -> None:
     """Show each layer's entries, |T| and C, and per rank what sharding saves and the KV cache it buys."""
-    from ..planning.parallel_layout import hbm_bytes
+    from ..planning.expert_parallel import hbm_bytes
     from ..prep.inspect import inspect
 
     with cli_errors():

@@ -32,7 +32,7 @@ from ._output_file import replaced_on_success
 from .run import Backend
 
 if TYPE_CHECKING:
-    from ..prep.payoff import PlanReport
+    from ..prep.deployment_plan import PlanReport
 
 
 def plan_command(
@@ -85,9 +85,9 @@ def plan_command(
 ) -> None:
     """Per rank: memory saved, the KV-cache tokens and requests it buys, the startup peak; per layer: gather
     against compute; the layers to shard and the `convert --layers` argument; a one-line verdict."""
-    from ..planning.parallel_layout import hbm_bytes
-    from ..prep.payoff import PlanRequest, plan_sharding
-    from ..prep.plan import parse_chunk_alignment
+    from ..planning.expert_parallel import hbm_bytes
+    from ..prep.convert_plan import parse_chunk_alignment
+    from ..prep.deployment_plan import PlanRequest, plan_sharding
     from ..prep.schedule_trace import plan_trace, trace_text
 
     with cli_errors(), ExitStack() as stack:

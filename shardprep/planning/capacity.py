@@ -50,7 +50,7 @@ def capacity(memory: MemoryAccount, kv: KvCacheShape | None, *, replicated_part_
     (pinned). `rank_file_bytes`, when known (a converted directory), replaces R/N: the device buffer
     holds the whole file, its header and the gaps between chunks included.
     KV room = HBM − what the weights take (replicated: R + replicated part + expert shard), floored at 0.
-    `expert_shard_bytes` is the routed experts one GPU holds under expert parallelism (parallel_layout.py),
+    `expert_shard_bytes` is the routed experts one GPU holds under expert parallelism (expert_parallel.py),
     kept out of the replicated part; 0 where they are counted in it (no expert parallelism).
 
     >>> from shardprep.planning.accounting import account_layers

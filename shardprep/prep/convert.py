@@ -17,9 +17,9 @@ from typing import Any
 
 from ..errors import ShardprepError
 from ..manifests.manifest import MAX_WORLD_SIZE
+from .convert_plan import ConvertPlan, make_plan, parse_chunk_alignment
 from .header_source import open_headers
 from .output_dir import check_output_dir, staged_output
-from .plan import ConvertPlan, make_plan, parse_chunk_alignment
 from .requant_jobs import RequantOptions
 from .selection import DEFAULT_LAYER_PATTERN, DEFAULT_LAYERS, Selection, load_preset, parse_layers
 from .source import open_source

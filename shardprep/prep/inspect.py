@@ -15,8 +15,8 @@ from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size
 from ..manifests.strict_json import is_int, read_json_file
 from ..planning.accounting import account, draft_account, zero_copy_applies
 from ..planning.capacity import capacity
+from ..planning.expert_parallel import check_expert_parallel, check_tensor_parallel, expert_shard
 from ..planning.kv_cache import kv_cache_shape
-from ..planning.parallel_layout import check_expert_parallel, check_tensor_parallel, expert_shard
 from .quantized_targets import quantized_scales
 from .selection import recorded_preset_checks
 from .source import read_config

@@ -17,7 +17,7 @@ from ..errors import LayoutError, ManifestError
 from ..manifests.layout import FusedGroup, LayerLayout, TensorSpec, file_alignment_for, used_bytes
 from ..manifests.manifest import MANIFEST_NAME, LayerRecord, Manifest
 from ..manifests.rank_file import rank_file_name
-from .plan import RankFileLayout, choose_rank_layout, lay_out, parse_chunk_alignment
+from .convert_plan import RankFileLayout, choose_rank_layout, lay_out, parse_chunk_alignment
 from .selection import TargetPlan
 
 

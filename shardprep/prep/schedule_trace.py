@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import ShardprepError
 from ..planning.step_time import StepSchedule
-from .payoff import PlanReport
+from .deployment_plan import PlanReport
 from .selection import format_layers
 
 TRACE_TIDS = {"step": 0, "compute": 1, "gather": 2}

@@ -37,9 +37,9 @@ from ..manifests.manifest import (
 )
 from ..manifests.paths import files_under
 from ..manifests.replicated import NOTICE_FILE, NOTICE_TENSOR, NOTICE_TEXT, SHARDED_SENTINEL
+from .convert_plan import ConvertPlan, ReplicatedFile
 from .file_ranges import pwrite_all
 from .output_dir import writing
-from .plan import ConvertPlan, ReplicatedFile
 from .requant_jobs import RequantRunner
 from .safetensors_writer import FileRange, OutTensor, write_safetensors
 from .source import SourceCheckpoint

@@ -10,7 +10,7 @@ machine (`shardprep profile`) or only a link bandwidth:
   `convert --layers` argument that shards them;
 - the shard groups: with `--dp W` on nodes of `--gpus-per-node G`, W/N groups of N consecutive ranks,
   N = `--ranks` or, without it, the largest group size that divides W and fits a node;
-- the routed experts a GPU holds with `--ep E` (parallel_layout.py): 1/E of them, apart from the replicated part;
+- the routed experts a GPU holds with `--ep E` (expert_parallel.py): 1/E of them, apart from the replicated part;
 - a one-line verdict (`crosses nodes` when a group of N would span nodes).
 
 No torch: the measuring is `shardprep profile`'s job.
@@ -37,9 +37,9 @@ from ..planning.accounting import (
     zero_copy_applies,
 )
 from ..planning.capacity import Capacity, capacity
+from ..planning.expert_parallel import ExpertShard, check_expert_parallel, check_tensor_parallel, expert_shard
 from ..planning.kv_cache import KvCacheShape, kv_cache_shape
 from ..planning.layer_choice import LayerChoice, Predict, choose_layers, evaluate, least_overhead
-from ..planning.parallel_layout import ExpertShard, check_expert_parallel, check_tensor_parallel, expert_shard
 from ..planning.profile_format import Profile, load_profile
 from ..planning.step_time import StepPrediction, StepSchedule, predict_step, schedule_step
 from .selection import DEFAULT_LAYER_PATTERN, Selection, format_layers, load_preset, parse_layers
@@ -436,8 +436,8 @@ def _read_model(request: PlanRequest, n: int) -> _Model:
 
 
 def _read_checkpoint(request: PlanRequest, n: int) -> _Model:
+    from .convert_plan import make_plan
     from .header_source import open_headers
-    from .plan import make_plan
     from .requant_jobs import RequantOptions
 
     ckpt = open_headers(request.source, request.revision)  # a hub id by HTTP range: no snapshot download

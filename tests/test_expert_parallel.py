@@ -17,10 +17,10 @@ from typer.testing import CliRunner
 
 from shardprep.cli import app
 from shardprep.errors import ShardprepError
-from shardprep.planning.parallel_layout import expert_shard, hbm_bytes
+from shardprep.planning.expert_parallel import expert_shard, hbm_bytes
 from shardprep.prep.convert import convert
+from shardprep.prep.deployment_plan import PlanRequest, plan_sharding
 from shardprep.prep.inspect import inspect
-from shardprep.prep.payoff import PlanRequest, plan_sharding
 from shardprep.prep.requant_jobs import RequantOptions
 
 C = DEEPSEEK_V3_CONFIG
