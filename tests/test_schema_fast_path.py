@@ -19,7 +19,8 @@ from test_hostile_input import SPECIAL, mutated
 from test_manifest import small_manifest
 
 from shardprep.errors import ManifestError
-from shardprep.manifests.manifest import Manifest, _cut_layer, _for_schema, _item_rules, _validator, manifest_schema
+from shardprep.manifests.manifest import Manifest
+from shardprep.manifests.schema import _cut_layer, _for_schema, _item_rules, _validator, manifest_schema
 from shardprep.manifests.strict_json import is_int, parse_json
 
 ITEMS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
