@@ -19,7 +19,7 @@ from torch import nn
 
 from shardprep.errors import ShardprepError
 from shardprep.integrations.processed_layers import PlaceholderGatherer, needs_processing, process_layers
-from shardprep.integrations.vllm.compat import process_quantized
+from shardprep.integrations.vllm.adapter import process_quantized
 from shardprep.loader.rank_shards import open_rank
 from shardprep.prep.convert import convert
 from shardprep.runtime.binding import bind

@@ -174,7 +174,7 @@ def test_a_gatherer_on_the_world_refuses_shards_of_a_smaller_group_and_says_how(
 
 # -- vLLM's sharded mode: the layout check (the engines run in tests/vllm_engines/) -------------------
 def _layout(**changes):
-    from shardprep.integrations.parallel_layout import ParallelLayout
+    from shardprep.integrations.server import ParallelLayout
 
     base = dict(dp_rank=0, dp_size=4, dp_world_ranks=(0, 1, 2, 3), tp_size=1, pp_size=1, lockstep_dp=True,
                 eager=True, device=torch.device("cpu"), platform="cpu")
@@ -182,7 +182,7 @@ def _layout(**changes):
 
 
 def test_vllm_sharded_mode_takes_data_parallel_sizes_that_are_multiples_of_n(world):
-    from shardprep.integrations.sharded_mode import check_layout
+    from shardprep.integrations.sharded_load import check_layout
     from shardprep.manifests import load_manifest
 
     out = world[1]

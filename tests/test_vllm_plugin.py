@@ -19,8 +19,8 @@ from torch import nn
 from shardprep.errors import ManifestError, RuntimeShardError, ShardprepError
 from shardprep.integrations.load_options import ShardprepLoadOptions
 from shardprep.integrations.output_weights import check_all_loaded, output_weights
-from shardprep.integrations.parallel_layout import ParallelLayout
-from shardprep.integrations.sharded_mode import check_layout, load_sharded
+from shardprep.integrations.server import ParallelLayout
+from shardprep.integrations.sharded_load import check_layout, load_sharded
 from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert
 
@@ -46,7 +46,7 @@ def test_importing_shardprep_and_its_vllm_plugin_does_not_import_vllm(tmp_path):
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("")
     code = ("import sys, shardprep, shardprep.integrations.vllm, shardprep.integrations.vllm.full_mode, "
-            "shardprep.integrations.sharded_mode, shardprep.integrations.vllm.compat; "
+            "shardprep.integrations.sharded_load, shardprep.integrations.vllm.adapter; "
             "import importlib.util; assert importlib.util.find_spec('vllm'); print('vllm' in sys.modules)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
@@ -107,7 +107,7 @@ def test_sharded_mode_refuses_layouts_it_cannot_serve(llama_out):
 
 
 def test_sharded_modes_refusals_name_sglangs_options_under_sglang(llama_out):
-    from shardprep.integrations.sglang.compat import OPTION_NAMES
+    from shardprep.integrations.sglang.adapter import OPTION_NAMES
 
     _, out = llama_out
     manifest = load_manifest(out)
@@ -133,7 +133,7 @@ def test_sharded_mode_refuses_a_model_whose_layers_it_cannot_find(checkpoint_cac
 def test_the_cpu_all_gatherv_op_gives_every_gathered_tensor_one_row_count_under_tracing():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shardprep.integrations.vllm import compat  # noqa: F401  (registers the ops; imports no vLLM)
+    from shardprep.integrations.vllm import cpu_workarounds  # noqa: F401  (registers the ops; imports no vLLM)
 
     with FakeTensorMode():
         hidden, router = torch.empty(3, 8, dtype=torch.bfloat16), torch.empty(3, 4)

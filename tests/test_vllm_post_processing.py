@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from shardprep.errors import ShardprepError
-from shardprep.integrations.parallel_layout import ParallelLayout
-from shardprep.integrations.sharded_mode import load_sharded
-from shardprep.integrations.vllm.compat import bound_places, refuse_replaced_after_processing
+from shardprep.integrations.server import ParallelLayout
+from shardprep.integrations.sharded_load import load_sharded
+from shardprep.integrations.vllm.adapter import bound_places, refuse_replaced_after_processing
 from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert
 

@@ -224,7 +224,7 @@ def full_mode_against_vllm(source: str, full: str, dp: tuple[int, int, int],
 def sharded_binding(directory: str, ref: dict[str, bytes], dp: tuple[int, int, int]) -> dict[str, Any]:
     """Sharded mode on this rank's `directory`, through `load_model` (vLLM's post-load processing included): what
     each target bound to, and whether each layer's gather gives `ref`'s bytes (the default loader's)."""
-    from shardprep.integrations.sharded_mode import startup_line
+    from shardprep.integrations.sharded_load import startup_line
     from shardprep.integrations.vllm.model_loader import ShardprepModelLoader
 
     config = engine_config(directory, "shardprep", {"shard_weights": True}, *dp)
@@ -262,7 +262,7 @@ def mtp_draft(source: str, full: str, sharded: str, ref_target: dict[str, bytes]
     and then the draft through `load_model`, as vLLM's worker and proposer load them: what each draft target
     bound to, whether each gather of every layer (the draft's after the target's) gives the default loader's
     bytes (the target's: `ref_target`, by parameter name), and the draft's startup line."""
-    from shardprep.integrations.sharded_mode import draft_startup_line
+    from shardprep.integrations.sharded_load import draft_startup_line
     from shardprep.integrations.vllm.model_loader import ShardprepModelLoader
 
     config = engine_config(source, "safetensors", None, *dp, mtp=True)

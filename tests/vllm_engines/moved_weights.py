@@ -47,7 +47,8 @@ def register() -> None:
 def move_quantized_targets(model, directory) -> None:
     import torch
 
-    from shardprep.integrations.vllm import compat, model_loader
+    from shardprep.integrations.vllm import adapter as compat
+    from shardprep.integrations.vllm import model_loader
     from shardprep.manifests import load_manifest
 
     is_target = model_loader.bound_later(load_manifest(directory))

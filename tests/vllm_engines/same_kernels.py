@@ -42,7 +42,8 @@ SAME_GRAPH_LINE = "shardprep test plugin: full mode runs the gather ops, gatheri
 def register() -> None:
     if os.environ.get(ENV) != "1":
         return
-    from shardprep.integrations.vllm import compat, model_loader
+    from shardprep.integrations.vllm import adapter as compat
+    from shardprep.integrations.vllm import model_loader
     from shardprep.manifests import load_manifest
 
     loader = model_loader.ShardprepModelLoader
@@ -108,7 +109,7 @@ class _NoGathers:
 def bind_ops_without_gathers(model, manifest):
     """Hook `model` as sharded mode does (the same ops around the same layers, on the same parameters), with
     weights that stay where full mode loaded them."""
-    from shardprep.integrations.vllm import compat
+    from shardprep.integrations.vllm import adapter as compat
     from shardprep.runtime.binding import bind
     from shardprep.runtime.layer_ops import SPLITTING_OPS
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 def register() -> None:
     """SGLang's plugin hook: register the load format "shardprep" (harmless when called again)."""
-    from .compat import register_load_format
+    from .adapter import register_load_format
     from .model_loader import ShardprepModelLoader
 
     register_load_format("shardprep", ShardprepModelLoader)

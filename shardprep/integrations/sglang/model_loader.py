@@ -22,8 +22,8 @@ from ...manifests.manifest import Manifest, load_manifest
 from ...runtime.binding import Binding
 from ..load_options import ShardprepLoadOptions
 from ..output_weights import output_weights
-from ..sharded_mode import bound_later, check_layout, load_sharded, parameter_names, startup_line
-from . import compat
+from ..sharded_load import bound_later, check_layout, load_sharded, parameter_names, startup_line
+from . import adapter
 
 
 class ShardprepModelLoader(DefaultModelLoader):
@@ -70,25 +70,25 @@ class ShardprepModelLoader(DefaultModelLoader):
             is_target = bound_later(manifest)
 
             def sglang_target(name: str) -> bool:
-                return is_target(compat.manifest_name(name))
+                return is_target(adapter.manifest_name(name))
 
-            with device, compat.target_weights_without_storage(sglang_target) as made:
+            with device, adapter.target_weights_without_storage(sglang_target) as made:
                 model = _initialize_model(model_config, self.load_config, quant_config)
-            layout = compat.current_layout(device)
+            layout = adapter.current_layout(device)
             # The layout's refusals first: under attention TP > 1 every attention target is split too.
             check_layout(layout, manifest, directory, self.options.shard_group_size)
             refuse_unshardable(model, model_config, manifest, directory, sglang_target)
             self.binding, processed = load_sharded(
-                model, directory, layout, compat.keep_plain_linear, self.options.verify,
+                model, directory, layout, adapter.keep_plain_linear, self.options.verify,
                 self.options.shard_group_size, self.options.allow_cross_node_groups, manifest=manifest,
-                is_quantized=compat.is_quantized, model_name=compat.model_name)
+                is_quantized=adapter.is_quantized, model_name=adapter.model_name)
             bound = parameter_names(model, {id(p) for p in self.binding.target_parameters.values()})
             unbound = [name for name, _ in made if name not in bound]
             if unbound:
                 raise ShardprepError(f"{unbound[0]!r} was built without storage as a target of {directory}, but no "
                                      "manifest tensor was bound to it; was the directory converted from this model?")
             DefaultModelLoader.postprocess_weights(model, device)
-        compat.logger().info(startup_line(self.binding, directory, processed)
+        adapter.logger().info(startup_line(self.binding, directory, processed)
                              + f"; {len(made)} target weights built without storage")
         return model.eval()
 
@@ -100,7 +100,7 @@ def refuse_unshardable(model: nn.Module, model_config: ModelConfig, manifest: Ma
 
     >>> refuse_unshardable(model, model_config, manifest, "out/", is_target)  # doctest: +SKIP
     """
-    split = compat.split_targets(model, is_target)
+    split = adapter.split_targets(model, is_target)
     if split:
         name, ranks = split[0]
         advice = ("set SGLANG_SHARED_EXPERT_TP1=1 (SGLang then replicates the shared experts, as under DeepEP), "
@@ -108,13 +108,13 @@ def refuse_unshardable(model: nn.Module, model_config: ModelConfig, manifest: Ma
         raise ShardprepError(f"{directory}: SGLang splits the target {name} over its {ranks} TP ranks, so it is not "
                              f"replicated under DP attention and cannot be sharded; {advice}convert with a preset "
                              "that leaves it out, or serve in full mode")
-    quantized = compat.quantized_targets(model, is_target)
+    quantized = adapter.quantized_targets(model, is_target)
     if quantized:
         name, method = quantized[0]
         raise ShardprepError(f"{directory}: the target {name} is quantized ({method}), and sharded mode does not "
                              "process SGLang's quantized layers (it rewrites their weights after loading); serve it "
                              "in full mode, or convert an unquantized checkpoint")
-    padded = compat.padded_sizes(model_config)
+    padded = adapter.padded_sizes(model_config)
     mlp_targets = [name for name in manifest.target_names() if ".mlp." in name]
     if padded and mlp_targets:
         size, (checkpoint, sglangs) = next(iter(padded.items()))

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 def register() -> None:
     """vLLM's plugin hook: register the load format "shardprep" (harmless when called again)."""
-    from .compat import register_load_format, request_amx_tile_state
+    from .adapter import register_load_format
+    from .cpu_workarounds import request_amx_tile_state
     from .model_loader import ShardprepModelLoader
 
     request_amx_tile_state()

@@ -20,7 +20,7 @@ def load_full(model: nn.Module, directory: str | Path, verify: bool = True, opti
     """Load a vLLM model's weights from a convert output through the model's own `load_weights`.
 
     Refuses a model that is left with a parameter the output does not hold, other than those in `optional`
-    (parameters the server gives defaults: `compat.defaulted_parameters`).
+    (parameters the server gives defaults: `adapter.defaulted_parameters`).
 
     >>> load_full(model, "out/")  # doctest: +SKIP
     """

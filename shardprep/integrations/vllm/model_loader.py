@@ -12,7 +12,7 @@ from ...manifests.manifest import Manifest, load_manifest
 from ...runtime.binding import Binding
 from ...runtime.layer_ops import SPLITTING_OPS
 from ..load_options import ShardprepLoadOptions
-from ..sharded_mode import (
+from ..sharded_load import (
     bound_later,
     draft_startup_line,
     load_draft,
@@ -21,7 +21,7 @@ from ..sharded_mode import (
     serving_manifest,
     startup_line,
 )
-from . import compat
+from . import adapter, cpu_workarounds
 from .full_mode import load_full
 
 
@@ -46,7 +46,7 @@ class ShardprepModelLoader(BaseModelLoader):
         self._serves_draft = False  # the target is served with its MTP draft (speculative_config)
         self._without_storage: list[tuple[str, nn.Parameter]] = []
         self._without_storage_places: dict[int, tuple[nn.Module, str]] = {}
-        self._bound_before_processing: dict[str, compat.ParameterPlace] = {}
+        self._bound_before_processing: dict[str, adapter.ParameterPlace] = {}
 
     def download_model(self, model_config: ModelConfig) -> None:
         load_manifest(model_config.model)  # nothing to download: a local output directory, or a clear refusal
@@ -55,9 +55,9 @@ class ShardprepModelLoader(BaseModelLoader):
         if not self.options.shard_weights:
             return super().create_model(vllm_config, model_config, prefix)
         self._manifest = serving_manifest(model_config.model)
-        self._draft_model = compat.is_draft_model(model_config)
-        self._serves_draft = compat.serves_mtp_draft(vllm_config)
-        with compat.target_weights_without_storage(bound_later(self._manifest, self._draft_model)) as made:
+        self._draft_model = adapter.is_draft_model(model_config)
+        self._serves_draft = adapter.serves_mtp_draft(vllm_config)
+        with adapter.target_weights_without_storage(bound_later(self._manifest, self._draft_model)) as made:
             model = super().create_model(vllm_config, model_config, prefix)
         self._without_storage = made
         # Where each one is: a draft module processed at load holds a new parameter object under the same attribute.
@@ -68,24 +68,24 @@ class ShardprepModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         directory = model_config.model
-        layout = compat.current_layout()
+        layout = adapter.current_layout()
         if layout.dp_size > 1 and layout.platform == "cpu":
-            compat.install_cpu_dp_collectives()
+            cpu_workarounds.install_cpu_dp_collectives()
             if not layout.eager:
-                compat.trace_moe_as_one_op(model)
+                cpu_workarounds.trace_moe_as_one_op(model)
         if not self.options.shard_weights:
-            load_full(model, directory, self.options.verify, optional=compat.defaulted_parameters(model))
+            load_full(model, directory, self.options.verify, optional=adapter.defaulted_parameters(model))
             return
         if self._draft_model:
             self._load_draft(model, directory)
             return
         self.binding, processed = load_sharded(
-            model, directory, layout, compat.keep_plain_linear, self.options.verify, self.options.shard_group_size,
-            self.options.allow_cross_node_groups, refuse_post_processed=compat.refuse_post_processed,
-            manifest=self._manifest, is_quantized=compat.is_quantized, process_quantized=compat.process_quantized,
-            optional=compat.defaulted_parameters(model), model_name=compat.module_names(model),
+            model, directory, layout, adapter.keep_plain_linear, self.options.verify, self.options.shard_group_size,
+            self.options.allow_cross_node_groups, refuse_post_processed=adapter.refuse_post_processed,
+            manifest=self._manifest, is_quantized=adapter.is_quantized, process_quantized=adapter.process_quantized,
+            optional=adapter.defaulted_parameters(model), model_name=adapter.module_names(model),
             draft=self._serves_draft)
-        self._bound_before_processing = compat.bound_places(model, self.binding.target_parameters)
+        self._bound_before_processing = adapter.bound_places(model, self.binding.target_parameters)
         # By name: a quantized module processed at load holds new parameter objects under the same names.
         bound = {id(param) for param in self.binding.target_parameters.values()}
         bound_names = parameter_names(model, bound)
@@ -94,14 +94,15 @@ class ShardprepModelLoader(BaseModelLoader):
             raise ShardprepError(f"{unbound[0]!r} was built without storage as a target of {directory}, but no "
                                  "manifest tensor was bound to it; was the directory converted from this model?")
         if not layout.eager:
-            compat.add_splitting_ops(SPLITTING_OPS)
-        compat.logger().info(startup_line(self.binding, directory, processed))
+            adapter.add_splitting_ops(SPLITTING_OPS)
+        adapter.logger().info(startup_line(self.binding, directory, processed))
 
     def _load_draft(self, model: nn.Module, directory: str) -> None:
         assert self._manifest is not None
         binding, processed = load_draft(
-            model, directory, self._manifest, compat.mtp_blocks, compat.keep_plain_linear, self.options.verify,
-            compat.is_quantized, compat.defaulted_parameters(model), refuse_post_processed=compat.refuse_post_processed)
+            model, directory, self._manifest, adapter.mtp_blocks, adapter.keep_plain_linear, self.options.verify,
+            adapter.is_quantized, adapter.defaulted_parameters(model),
+            refuse_post_processed=adapter.refuse_post_processed)
         bound = set() if binding is None else {id(p) for p in binding.draft_parameters.values()}
         places = self._without_storage_places
         unbound = [name for name, param in self._without_storage
@@ -110,16 +111,16 @@ class ShardprepModelLoader(BaseModelLoader):
             raise ShardprepError(f"{unbound[0]!r} was built without storage as a draft target of {directory}, but "
                                  "no manifest tensor was bound to it; was the directory converted from this model?")
         if binding is not None:
-            compat.logger().info(draft_startup_line(binding, directory, processed))
+            adapter.logger().info(draft_startup_line(binding, directory, processed))
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         # vLLM's process_weights_after_loading runs inside, after load_weights: check that it left every
         # bound parameter where the binding put it.
         model = super().load_model(vllm_config, model_config, prefix)
         if self.binding is not None:
-            compat.refuse_replaced_after_processing(self._bound_before_processing, self.binding.target_parameters)
-            if not compat.key_compile_cache(vllm_config, self.binding.compile_key()):
-                compat.logger().warning(
+            adapter.refuse_replaced_after_processing(self._bound_before_processing, self.binding.target_parameters)
+            if not adapter.key_compile_cache(vllm_config, self.binding.compile_key()):
+                adapter.logger().warning(
                     "shardprep: additional_config is not a dict, so vLLM's compile cache cannot tell this sharded "
                     "model's graphs from full mode's; set VLLM_DISABLE_COMPILE_CACHE=1")
         return model

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ...runtime.views import placeholder
-from ..parallel_layout import ParallelLayout
+from ..server import ParallelLayout
 
 PREFIX = "_shardprep_prefix"
 """Where a linear layer being built keeps its name while `target_weights_without_storage` is active."""

@@ -42,8 +42,8 @@ from ..runtime.binding import Binding, bind, bind_draft, draft_layers, split_lay
 from ..runtime.gatherer import LayerGatherer
 from ..runtime.shard_groups import shard_group
 from .output_weights import check_all_loaded
-from .parallel_layout import ParallelLayout
 from .processed_layers import PlaceholderGatherer, ProcessedLayers, add_draft, needs_processing, process_layers
+from .server import ParallelLayout
 
 
 @dataclass(frozen=True)
