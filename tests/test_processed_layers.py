@@ -4,7 +4,7 @@ Their "processing" rewrites the bytes the forward reads (the weight negated, a s
 forward multiplies back), as a server's repacking step rewrites a weight that its kernel undoes. Bound to the
 processed layout at N=2, the model's logits equal the source checkpoint's bit for bit, which they could not if
 the gathered bytes were the unprocessed ones. Processed forms that a gathered view cannot feed are refused naming
-the module, and `compat.process_quantized` makes vLLM's later pass skip only the module it processed.
+the module, and `VllmAdapter.process_quantized` makes vLLM's later pass skip only the module it processed.
 
 The real processing (vLLM's FP8 and 4-bit kernels) runs in tests/vllm_engines/test_vllm_fp8.py.
 """
@@ -19,7 +19,7 @@ from torch import nn
 
 from shardprep.errors import ShardprepError
 from shardprep.integrations.processed_layers import PlaceholderGatherer, needs_processing, process_layers
-from shardprep.integrations.vllm.adapter import process_quantized
+from shardprep.integrations.vllm.adapter import VllmAdapter
 from shardprep.loader.rank_shards import open_rank
 from shardprep.prep.convert import convert
 from shardprep.runtime.binding import bind
@@ -223,8 +223,8 @@ class Method:
 def test_process_quantized_runs_vllms_step_each_time_and_makes_vllms_pass_skip_only_that_module():
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     a.quant_method = b.quant_method = method = Method()
-    process_quantized(a)
-    process_quantized(a)  # sharded mode's second pass
+    VllmAdapter().process_quantized(a)
+    VllmAdapter().process_quantized(a)  # sharded mode's second pass
     assert method.ran == [a, a]
     for module in (a, b):  # what vLLM's own pass does after loading
         module.quant_method.process_weights_after_loading(module)
@@ -286,7 +286,7 @@ def _with_processed_draft(rank: int, world_size: int, out: str) -> dict:
     target's layers by the target's gatherer. The model's forward runs the draft's layer after the target's last."""
     import dataclasses
 
-    from shardprep.integrations.processed_layers import add_draft
+    from shardprep.integrations.processed_layers import process_draft_layers
     from shardprep.manifests.draft_layers import DraftLayers
     from shardprep.manifests.manifest import load_manifest
     from shardprep.runtime.binding import draft_layers
@@ -305,7 +305,7 @@ def _with_processed_draft(rank: int, world_size: int, out: str) -> dict:
     layers = draft_layers(shards.manifest, placeholders.layers, {3: binding.model.model.layers[3]})
     for layer in layers:
         layer.point(placeholders.views(layer.index))
-    draft = add_draft(target, shards, None, layers, quantized, negate)
+    draft = process_draft_layers(target, shards, None, layers, quantized, negate)
     new = draft.binding
     with torch.no_grad():
         logits = new.model(torch.tensor(PROMPT)).logits

@@ -174,26 +174,27 @@ def test_a_gatherer_on_the_world_refuses_shards_of_a_smaller_group_and_says_how(
 
 # -- vLLM's sharded mode: the layout check (the engines run in tests/vllm_engines/) -------------------
 def _layout(**changes):
-    from shardprep.integrations.server import ParallelLayout
+    from shardprep.integrations.server import WorkerLayout
 
     base = dict(dp_rank=0, dp_size=4, dp_world_ranks=(0, 1, 2, 3), tp_size=1, pp_size=1, lockstep_dp=True,
                 eager=True, device=torch.device("cpu"), platform="cpu")
-    return ParallelLayout(**{**base, **changes})
+    return WorkerLayout(**{**base, **changes})
 
 
 def test_vllm_sharded_mode_takes_data_parallel_sizes_that_are_multiples_of_n(world):
     from shardprep.integrations.sharded_load import check_layout
+    from shardprep.integrations.vllm.adapter import VllmAdapter
     from shardprep.manifests import load_manifest
 
-    out = world[1]
+    out, vllm = world[1], VllmAdapter.spelling
     manifest = load_manifest(out)
-    check_layout(_layout(), manifest, out)
-    check_layout(_layout(), manifest, out, group_size=2)
+    check_layout(_layout(), vllm, manifest, out)
+    check_layout(_layout(), vllm, manifest, out, group_size=2)
     with pytest.raises(ShardprepError, match=r"data_parallel_size=3 \(3 ranks are not a whole number of shard "
                                              r"groups of 2\); launch a multiple of 2 DP ranks"):
-        check_layout(_layout(dp_size=3, dp_world_ranks=(0, 1, 2)), manifest, out)
+        check_layout(_layout(dp_size=3, dp_world_ranks=(0, 1, 2)), vllm, manifest, out)
     with pytest.raises(ShardprepError, match="shard_group_size 4, but .* was converted for 2 ranks"):
-        check_layout(_layout(), manifest, out, group_size=4)
+        check_layout(_layout(), vllm, manifest, out, group_size=4)
 
 
 def test_vllm_options_take_a_shard_group_size_and_refuse_a_bad_one():

@@ -1,21 +1,21 @@
-"""What every server's full mode reads: the source checkpoint's tensors, rebuilt from a convert output, and the
-check that the model got all of them. Server-agnostic (no server is imported); each server's loader feeds these
-to its own `model.load_weights`.
+"""Full mode, for every server: the source checkpoint's tensors, rebuilt from a convert output, fed to the server's
+own `model.load_weights`, and the check that the model got all of them. Nothing here imports or names a server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..errors import ShardprepError
 from ..loader.full_targets import iter_full_targets
 from ..loader.rank_shards import load_replicated
 from ..manifests.manifest import load_manifest
 from ..manifests.swap_lock import reads_output
+from .load_check import check_all_loaded, tracked_loading
+from .server import ServerAdapter
 
 
 @reads_output  # the replicated part and the targets of one output, while --overwrite replaces it
@@ -32,19 +32,13 @@ def output_weights(directory: str | Path, verify: bool = True) -> Iterator[tuple
     yield from iter_full_targets(directory, verify=verify, manifest=manifest)
 
 
-def check_all_loaded(model: nn.Module, loaded: Iterable[str] | None, directory: str | Path,
-                     also: Collection[str] = ()) -> None:
-    """Refuse a model with a parameter that is neither in `loaded` (what load_weights reported) nor in `also`.
+def load_full(model: nn.Module, directory: str | Path, verify: bool, adapter: ServerAdapter) -> None:
+    """Full mode: the server's own `model.load_weights` fed every tensor of the source checkpoint, rebuilt from DIR,
+    under its checkpoint name, so tensor parallelism, fused parameters and quantization are the server's as usual;
+    then every parameter must have been loaded or defaulted by the server (load_check.py).
 
-    A model whose load_weights reports nothing (None) cannot be checked and passes.
-
-    >>> check_all_loaded(model, model.load_weights(weights), "out/")  # doctest: +SKIP
+    >>> load_full(model, "out/", True, VllmAdapter())  # doctest: +SKIP
     """
-    if loaded is None:
-        return
-    missing = sorted({name for name, _ in model.named_parameters()} - set(loaded) - set(also))
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if missing[1:] else ""
-        raise ShardprepError(f"{directory}: the model's parameter {missing[0]!r}{more} is in no tensor of the "
-                             "output; was it converted from this model?")
-
+    with tracked_loading(model, adapter.default_weight_loader()) as seen:
+        loaded = model.load_weights(output_weights(directory, verify))  # type: ignore[operator]
+    check_all_loaded(model, loaded, directory, also=adapter.defaulted_parameters(model), seen=seen)

@@ -23,7 +23,8 @@ into the buffer. So the load holds the final buffer plus one layer (and the serv
 processes that layer), never this rank's bytes twice; the price is processing every layer twice.
 
 A draft model's layers (DeepSeek's MTP layer), which vLLM builds after the target is loaded, go through the same two
-passes when the draft model is loaded (`add_draft`), and join the target's buffer and gatherer after its layers.
+passes when the draft model is loaded (`process_draft_layers`), and join the target's buffer and gatherer after its
+layers.
 
 A binding over that processed layout then replaces the placeholder one: at run time nothing changes (one gather
 per layer, one layer ahead, two slots, zero-copy views), only the gathered bytes are the processed ones, and a
@@ -32,8 +33,8 @@ hides state outside the module's registered parameters (a weight set to None, a 
 attribute, a handle object holding addresses), whose elements overlap, or whose tensors share memory with
 another's, is refused in one line naming the module: a gathered view could not feed it. A reference to an object
 the module held already (DeepGEMM's `deep_gemm_warmup_provider`, the kernel itself, with the QuantFP8 module it
-owns) holds no weight and is accepted. Nothing here imports vLLM: `process` and `is_quantized` come from
-`compat`.
+owns) holds no weight and is accepted. Nothing here imports a server: `process` and `is_quantized` come from
+the server's adapter (server.py).
 """
 
 from __future__ import annotations
@@ -113,10 +114,10 @@ def process_layers(binding: Binding, group: Any, is_quantized: Callable[[nn.Modu
     `binding`: the model bound to its unread rank shards through a `PlaceholderGatherer`, the replicated weights
     (the scales among them) already loaded. Collective over the shard group `group` (each rank gathers every layer,
     twice, and the ranks compare digests). `process(module)` runs the server's step on a quantized module and must
-    make the server's own later pass skip it (`compat.process_quantized`). The placeholder binding's hooks are
+    make the server's own later pass skip it (`ServerAdapter.process_quantized`). The placeholder binding's hooks are
     removed. `model_name`: as `binding` was bound with it (`bind`).
 
-    >>> processed = process_layers(binding, group, compat.is_quantized, compat.process_quantized)  # doctest: +SKIP
+    >>> processed = process_layers(binding, group, adapter.is_quantized, adapter.process_quantized)  # doctest: +SKIP
     >>> binding = processed.binding  # doctest: +SKIP
     """
     model, shards = binding.model, binding.shards
@@ -126,7 +127,7 @@ def process_layers(binding: Binding, group: Any, is_quantized: Callable[[nn.Modu
     layouts, digests, strides = passes.learn()
     offsets = plan_file_offsets([lay.chunk_bytes for lay in layouts], manifest.file_alignment)
     records = tuple(LayerRecord.from_layout(lay, offset) for lay, offset in zip(layouts, offsets))
-    # The draft's layers, if the rank file holds them, are processed with the draft model (`add_draft`).
+    # The draft's layers, if the rank file holds them, are processed with the draft model (`process_draft_layers`).
     processed = dataclasses.replace(manifest, layers=records, draft=None)
     buffer = torch.zeros(processed.rank_file_bytes, dtype=torch.uint8, device=shards.device)
     passes.fill(layouts, records, digests, buffer)
@@ -138,7 +139,7 @@ def process_layers(binding: Binding, group: Any, is_quantized: Callable[[nn.Modu
     return ProcessedLayers(new, passes.modules(), manifest.rank_file_bytes, strides)
 
 
-def add_draft(target: ProcessedLayers, shards: RankShards, group: Any, layers: list[BoundLayer],
+def process_draft_layers(target: ProcessedLayers, shards: RankShards, group: Any, layers: list[BoundLayer],
               is_quantized: Callable[[nn.Module], bool], process: Process) -> ProcessedLayers:
     """Process the draft model's layers as `process_layers` processed the target's, and gather them with the target's.
 
@@ -155,8 +156,8 @@ def add_draft(target: ProcessedLayers, shards: RankShards, group: Any, layers: l
 
     The target's processed bytes are copied once into the larger buffer: the load holds them twice for that moment.
 
-    >>> processed = add_draft(processed, raw_shards, group, draft_layers, compat.is_quantized,
-    ...                       compat.process_quantized)  # doctest: +SKIP
+    >>> processed = process_draft_layers(processed, raw_shards, group, draft_layers, adapter.is_quantized,
+    ...                                  adapter.process_quantized)  # doctest: +SKIP
     """
     binding, old = target.binding, target.binding.shards
     manifest = old.manifest

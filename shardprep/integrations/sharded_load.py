@@ -1,33 +1,31 @@
-"""Sharded mode: DP attention inside a server (vLLM, SGLang), each data-parallel rank holding only its own rank
-file. Server-agnostic: each server's `model_loader.py` calls `load_sharded` with its `compat`'s callbacks.
+"""Sharded mode's load of a target model, in the one order every server runs it: DP attention inside a server,
+each data-parallel rank holding only its own rank file.
 
-Written in vLLM's terms. vLLM's data-parallel size is k·N (N = the manifest's world size): the DP ranks form k shard
-groups of N consecutive DP ranks (`runtime/shard_groups.py`). DP rank r maps only `rank_files[r mod N]`,
-binds the model's target parameters, once, to a `LayerGatherer`'s views over its group (gloo on the
-CPU), and loads only the non-targets into the model. Before each bound decoder layer runs, its
-weights are gathered into one of two slots, one layer ahead, by the two ops that `bind` puts around
-the layer (runtime/layer_ops.py), which vLLM's compiled model calls like any op; vLLM's idle DP ranks
-run dummy forwards of MoE models (all DP ranks step together), so every rank of a group issues the
-same gathers. A quantized target is processed once at load and sharded as its kernel reads it
-(processed_layers.py). Nothing here imports a server: what depends on one comes in through `ParallelLayout`
-(parallel_layout.py) and the callbacks (`keep_plain_linear`, `refuse_post_processed`, `is_quantized`,
-`process_quantized`).
+The server's data-parallel size is k·N (N = the manifest's world size): the DP ranks form k shard groups of N
+consecutive DP ranks (`runtime/shard_groups.py`). DP rank r maps only `rank_files[r mod N]` and binds the model's
+target parameters, once, to a `LayerGatherer`'s views over its group (gloo on the CPU). Before each bound decoder
+layer runs, its weights are gathered into one of two slots, one layer ahead, by the two ops that `bind` puts around
+the layer (runtime/layer_ops.py), which a compiled model calls like any op; the server runs idle DP ranks in
+lockstep, so every rank of a group issues the same gathers. A quantized target is processed once at load and
+sharded as its kernel reads it (processed_layers.py).
 
-A draft's layers in DIR (`manifest.draft`: DeepSeek's MTP layer) are checked and left unread when vLLM serves
-the target alone. With vLLM's MTP speculative decoding, the target's gatherer gathers them too, after the
-target's layers (the draft's gather is dispatched, one layer ahead as any, before the target's last layer
-computes), and `load_draft` binds
-them to the draft model, which vLLM loads second (runtime/binding.py, `bind_draft`). With quantized targets
-processed at load, the draft's layers are processed too, but only in `load_draft`: their processed layout exists
-once the draft model does (`processed_layers.add_draft`).
+`ShardedLoad` is the flow, in steps a server's loader calls where its own lifecycle puts them:
+1. `build(construct)`: the server builds the model with its targets' weights without storage (no rank ever holds
+   them whole);
+2. `load(model)`: check the layout, refuse what cannot be sharded, bind to placeholders, keep bound modules plain,
+   load the replicated part (and check that every parameter was loaded or bound), process quantized layers or
+   bind to the gatherer, check that every weight built without storage was bound, log the startup line;
+3. `check_after_processing()`: after the server's own post-load step, check it left every bound parameter where the
+   binding put it.
+Everything the server decides comes from its `ServerAdapter` (server.py); nothing here imports or names a server.
+A draft's layers are loaded by `drafts.py` once the server builds the draft model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -37,31 +35,14 @@ from ..loader.rank_shards import RankShards, iter_replicated, open_rank
 from ..manifests.manifest import Manifest, load_manifest
 from ..manifests.shard_groups import group_size_problem
 from ..manifests.strict_json import read_json_file
-from ..planning.accounting import account, draft_account
-from ..runtime.binding import Binding, bind, bind_draft, draft_layers, split_layer_name
+from ..planning.accounting import account
+from ..runtime.binding import Binding, bind, split_layer_name
 from ..runtime.gatherer import LayerGatherer
 from ..runtime.shard_groups import shard_group
-from .output_weights import check_all_loaded
-from .processed_layers import PlaceholderGatherer, ProcessedLayers, add_draft, needs_processing, process_layers
-from .server import ParallelLayout
-
-
-@dataclass(frozen=True)
-class _ServedWithDraft:
-    """A target served with its draft, as the draft's load finds it: the target's binding, and when the target was
-    processed at load, what processing the draft's layers the same way takes."""
-
-    binding: Binding
-    processed: ProcessedLayers | None = None
-    shards: RankShards | None = None
-    """The rank file as opened (the draft's checkpoint bytes still unread), when the target was processed."""
-    group: Any = None
-    process_quantized: Callable[[nn.Module], None] | None = None
-
-
-# Per process, each directory served with its draft: the draft model, loaded after the target by the same worker,
-# binds its layers to the target's gatherer.
-_with_draft: dict[str, _ServedWithDraft] = {}
+from .load_check import check_all_loaded, tracked_loading
+from .load_options import ShardprepLoadOptions
+from .processed_layers import PlaceholderGatherer, ProcessedLayers, needs_processing, process_layers
+from .server import Built, OptionSpelling, ServerAdapter, WorkerLayout
 
 
 def serving_manifest(directory: str | Path) -> Manifest:
@@ -74,24 +55,22 @@ def serving_manifest(directory: str | Path) -> Manifest:
     return load_manifest(directory).with_serving_draft(config if isinstance(config, dict) else None, str(directory))
 
 
-def check_layout(layout: ParallelLayout, manifest: Manifest, directory: str | Path,
+def check_layout(layout: WorkerLayout, spelling: OptionSpelling, manifest: Manifest, directory: str | Path,
                  group_size: int | None = None) -> None:
-    """Refuse, in one line, a parallel configuration in which sharded mode cannot work.
+    """Refuse, in one line in the server's own option names, a parallel configuration sharded mode cannot serve.
 
     `group_size`: the `shard_group_size` the user asked for (None: not given), which must be the manifest's N.
 
-    >>> check_layout(layout, load_manifest("out/"), "out/")  # doctest: +SKIP
+    >>> check_layout(adapter.layout(), adapter.spelling, load_manifest("out/"), "out/")  # doctest: +SKIP
     """
     n = manifest.world_size
     if layout.tp_size != 1 or layout.pp_size != 1:
         raise ShardprepError(
-            f"shard_weights is DP attention: {layout.tp_option} and {layout.pp_option} must be 1, got "
-            f"{layout.tp_size} and {layout.pp_size}; use {layout.dp_advice.format(n=n)}, or full mode"
+            f"shard_weights is DP attention: {spelling.tp_option} and {spelling.pp_option} must be 1, got "
+            f"{layout.tp_size} and {layout.pp_size}; use {spelling.dp_advice.format(n=n)}, or full mode"
         )
     if n > 1 and not layout.lockstep_dp:
-        raise ShardprepError(
-            f"{layout.without_lockstep}, so their gathers could not pair up; serve it in full mode"
-        )
+        raise ShardprepError(f"{spelling.without_lockstep}, so their gathers could not pair up; serve it in full mode")
     if group_size is not None and group_size != n:
         raise ShardprepError(
             f"model_loader_extra_config: shard_group_size {group_size}, but {directory} was converted for {n} "
@@ -101,195 +80,201 @@ def check_layout(layout: ParallelLayout, manifest: Manifest, directory: str | Pa
     problem = group_size_problem(layout.dp_size, n)
     if problem is not None:
         raise ShardprepError(
-            f"{directory}: converted for {n} ranks, but {layout.server} runs {layout.dp_option}={layout.dp_size} "
-            f"({problem}); "
-            f"launch a multiple of {n} DP ranks (shard groups of {n} consecutive DP ranks), or re-run `shardprep "
-            f"convert --ranks {layout.dp_size}`"
+            f"{directory}: converted for {n} ranks, but {spelling.server} runs {spelling.dp_option}={layout.dp_size} "
+            f"({problem}); launch a multiple of {n} DP ranks (shard groups of {n} consecutive DP ranks), or re-run "
+            f"`shardprep convert --ranks {layout.dp_size}`"
         )
     if layout.platform not in ("cpu", "cuda"):
         raise ShardprepError(f"shard_weights runs on CPU and CUDA workers, not on {layout.platform}; use full mode")
 
 
-def load_sharded(
-    model: nn.Module,
-    directory: str | Path,
-    layout: ParallelLayout,
-    keep_plain_linear: Callable[[nn.Module], None],
-    verify: bool = True,
-    group_size: int | None = None,
-    allow_cross_node_groups: bool = False,
-    refuse_post_processed: Callable[[nn.Module, Mapping[str, nn.Parameter]], None] | None = None,
-    manifest: Manifest | None = None,
-    is_quantized: Callable[[nn.Module], bool] = lambda module: False,
-    process_quantized: Callable[[nn.Module], None] | None = None,
-    optional: Collection[str] = (),
-    model_name: Callable[[str], str] | None = None,
-    draft: bool = False,
-) -> tuple[Binding, ProcessedLayers | None]:
-    """Bind `model`'s targets to this DP rank's shards and load its other weights; returns the binding.
+class ShardedLoad:
+    """One rank's sharded-mode load of a target model from DIR, step by step (the module docstring's order).
 
-    Collective over the DP ranks (each builds every shard group, then its group's gatherer).
-    `refuse_post_processed(model, bound)` raises for a bound parameter that the server transforms after
-    loading; then `keep_plain_linear(module)` is called for every module that owns a bound parameter and is
-    not `is_quantized`. Both run before vLLM post-processes the weights. If some bound module is quantized,
-    every bound layer is then processed at load (`process_quantized`, vLLM's step) and sharded as processed
-    (processed_layers.py). Returns the binding, and what processing did (None: nothing was quantized).
-    `group_size` and `allow_cross_node_groups` are the user's `shard_group_size` and
-    `allow_cross_node_groups` options; `manifest`, DIR's if already read; `optional`, parameters the server
-    gives defaults, which DIR need not hold (`compat.defaulted_parameters`); `model_name`, the model's name for a
-    checkpoint tensor name, as the server's loader maps it (`compat.module_names`; None: the same names).
-    `draft`: vLLM runs the draft's layers (`manifest.draft`) as a draft model; they are gathered after the
-    target's, for `load_draft` to bind. Without it they are checked with the rest of the rank file and never read.
+    `with_draft`: the server runs the manifest's draft layers (`manifest.draft`, an MTP layer) as a draft model;
+    they are gathered after the target's, for `drafts.DraftLoad` to bind once the server builds the draft model.
+    Without it they are checked with the rest of the rank file and never read.
 
-    >>> binding, _ = load_sharded(model, "out/", compat.current_layout(), compat.keep_plain_linear)  # doctest: +SKIP
+    >>> load = ShardedLoad(adapter, "out/", ShardprepLoadOptions(shard_weights=True))  # doctest: +SKIP
+    >>> model = load.build(lambda: build_the_model())  # doctest: +SKIP
+    >>> binding = load.load(model)  # doctest: +SKIP
     """
-    manifest = serving_manifest(directory) if manifest is None else manifest
-    check_layout(layout, manifest, directory, group_size)
-    draft = draft and manifest.draft is not None
-    if tuple(layout.dp_world_ranks) != tuple(range(torch.distributed.get_world_size())):
-        # Shard groups divide the world: with TP = PP = 1 vLLM's world is the DP ranks, in DP rank order.
-        raise ShardprepError(f"shard_weights: {layout.server}'s DP ranks {list(layout.dp_world_ranks)} are not its "
-                             f"whole torch.distributed world of {torch.distributed.get_world_size()}; serve in full "
-                             "mode")
-    backend = "gloo" if layout.device.type == "cpu" else "nccl"
-    # Groups of their own (even for one group), so that the gathers never interleave with vLLM's collectives.
-    group = shard_group(manifest.world_size, backend=backend, own_communicator=True,
-                        allow_cross_node_groups=allow_cross_node_groups)
-    shards = open_rank(directory, group.rank_file, world_size=manifest.world_size, device=layout.device,
-                       verify=verify, manifest=manifest, draft=draft)
-    # Bound first to placeholders (no memory), to check the targets before anything is read; the gatherer comes
-    # once the replicated weights are in, over the rank file or over the processed layers.
-    binding = bind(model, shards, PlaceholderGatherer(shards), model_name=model_name)  # type: ignore[arg-type]
-    if refuse_post_processed is not None:
-        refuse_post_processed(model, binding.target_parameters)
-    bound = {id(p) for p in binding.target_parameters.values()}
-    for module in model.modules():
-        if any(id(p) in bound for p in module.parameters(recurse=False)) and not is_quantized(module):
-            keep_plain_linear(module)
-    # One tensor at a time, file-backed on the host, as vLLM's own loader hands them: each is copied into its
-    # parameter, so the replicated part is never held twice.
-    loaded = model.load_weights(iter_replicated(directory, manifest, "cpu", verify))  # type: ignore[operator]
-    check_all_loaded(model, loaded, directory, also={*parameter_names(model, bound), *optional})
-    if not needs_processing(binding, is_quantized):
-        binding.remove()
-        served = bind(model, shards, LayerGatherer(shards, group=group.process_group, backend="auto"),
-                      model_name=model_name)
-        if draft:
-            _with_draft[_key(directory)] = _ServedWithDraft(served)
-        return served, None
-    if process_quantized is None:
-        raise ShardprepError(f"{directory}: a bound module is quantized, and no step to process it was given")
-    processed = process_layers(binding, group.process_group, is_quantized, process_quantized, model_name)
-    if draft:  # the draft's layers are processed once the draft model exists (load_draft)
-        _with_draft[_key(directory)] = _ServedWithDraft(processed.binding, processed, shards, group.process_group,
-                                                        process_quantized)
-    return processed.binding, processed
+
+    def __init__(self, adapter: ServerAdapter, directory: str | Path, options: ShardprepLoadOptions,
+                 with_draft: bool = False):
+        self.adapter, self.directory, self.options = adapter, directory, options
+        self.manifest = serving_manifest(directory)
+        self.with_draft = with_draft and self.manifest.draft is not None
+        self.built: Built = []
+        """The (name, parameter) pairs built without storage, each to be bound."""
+        self.binding: Binding | None = None
+        self.processed: ProcessedLayers | None = None
+        self.shards: RankShards | None = None
+        """The rank file as opened (read into the gatherer's buffer, unless processing replaced it)."""
+        self.group: Any = None
+        self._targets = bound_later(self.manifest)
+        self._places: dict[str, ParameterPlace] = {}
+
+    def is_target(self, name: str) -> bool:
+        """Whether a parameter of the model (by the model's name) is a target that `load` binds."""
+        return self._targets(self.adapter.manifest_name(name))
+
+    def build(self, construct: Callable[[], nn.Module]) -> nn.Module:
+        """The model `construct()` builds, its targets' weights built without storage (the adapter's way)."""
+        with self.adapter.targets_without_storage(self.is_target) as made:
+            model = construct()
+        self.built = made
+        return model
+
+    def load(self, model: nn.Module) -> Binding:
+        """Bind `model`'s targets to this DP rank's shards and load its other weights; log the startup line.
+
+        Collective over the DP ranks (each builds every shard group, then its group's gatherer).
+        """
+        adapter, directory, manifest = self.adapter, self.directory, self.manifest
+        layout = adapter.layout()
+        check_layout(layout, adapter.spelling, manifest, directory, self.options.shard_group_size)
+        if tuple(layout.dp_world_ranks) != tuple(range(torch.distributed.get_world_size())):
+            # Shard groups divide the world: with attention TP = PP = 1 the world is the DP ranks, in DP rank order.
+            raise ShardprepError(f"shard_weights: {adapter.spelling.server}'s DP ranks {list(layout.dp_world_ranks)} "
+                                 f"are not its whole torch.distributed world of {torch.distributed.get_world_size()}; "
+                                 "serve in full mode")
+        adapter.refuse_unshardable(model, {name: p for name, p in model.named_parameters() if self.is_target(name)},
+                                   str(directory))
+        backend = "gloo" if layout.device.type == "cpu" else "nccl"
+        # Groups of their own (even for one group), so that the gathers never interleave with the server's collectives.
+        group = shard_group(manifest.world_size, backend=backend, own_communicator=True,
+                            allow_cross_node_groups=self.options.allow_cross_node_groups)
+        self.group = group.process_group
+        shards = self.shards = open_rank(directory, group.rank_file, world_size=manifest.world_size,
+                                         device=layout.device, verify=self.options.verify, manifest=manifest,
+                                         draft=self.with_draft)
+        # Bound first to placeholders (no memory), to check the targets before anything is read; the gatherer comes
+        # once the replicated weights are in, over the rank file or over the processed layout.
+        model_name = adapter.model_name(model)
+        binding = bind(model, shards, PlaceholderGatherer(shards), model_name=model_name)  # type: ignore[arg-type]
+        bound = set(map(id, binding.target_parameters.values()))
+        keep_bound_modules_plain(adapter, model, bound, str(directory))
+        load_replicated(adapter, model, directory, manifest, self.options.verify, bound)
+        if not needs_processing(binding, adapter.is_quantized):
+            binding.remove()
+            self.binding = bind(model, shards, LayerGatherer(shards, group=self.group, backend="auto"),
+                                model_name=model_name)
+        else:
+            self.processed = process_layers(binding, self.group, adapter.is_quantized, adapter.process_quantized,
+                                            model_name)
+            self.binding = self.processed.binding
+        check_built_were_bound(self.built, model, self.binding.target_parameters.values(), directory, "a target")
+        self._places = bound_places(model, self.binding.target_parameters)
+        adapter.logger().info(startup_line(self.binding, directory, self.processed, adapter.spelling.server,
+                                           len(self.built)))
+        return self.binding
+
+    def check_after_processing(self) -> None:
+        """After the server's own post-load step: every bound parameter still where the binding put it."""
+        assert self.binding is not None, "load() first"
+        refuse_replaced_after_processing(self._places, self.binding.target_parameters, self.adapter.spelling.server)
 
 
-def load_draft(
-    model: nn.Module,
-    directory: str | Path,
-    manifest: Manifest,
-    modules: Callable[[nn.Module, tuple[int, ...]], Mapping[int, nn.Module]],
-    keep_plain_linear: Callable[[nn.Module], None],
-    verify: bool = True,
-    is_quantized: Callable[[nn.Module], bool] = lambda module: False,
-    optional: Collection[str] = (),
-    refuse_post_processed: Callable[[nn.Module, Mapping[str, nn.Parameter]], None] | None = None,
-) -> tuple[Binding | None, ProcessedLayers | None]:
-    """Load vLLM's draft model (DeepSeekMTP) of a directory served sharded: its layers in the manifest bound to the
-    target's gatherer (`load_sharded(..., draft=True)` ran first in this process), everything else from the
-    replicated part. `modules(model, layers)` finds each draft layer's module. Returns the target's binding, now
-    also the draft's (None when the manifest shards no draft layer: the draft is then loaded whole from the
-    replicated part), and, when the target was processed at load, what processing did with the draft's layers too
-    (`processed_layers.add_draft`: they are processed the same way, quantized or not, and gathered after the
-    target's). Collective over the shard group when the target was processed.
+def keep_bound_modules_plain(adapter: ServerAdapter, model: nn.Module, bound: set[int], directory: str) -> None:
+    """Every module owning a bound parameter: kept plain if unquantized, else processed at load; a quantized one is
+    refused here if the server's adapter cannot process it."""
+    for name, module in model.named_modules():
+        if not any(id(p) in bound for p in module.parameters(recurse=False)):
+            continue
+        if not adapter.is_quantized(module):
+            adapter.keep_plain(module)
+        elif not adapter.processes_quantized():
+            method = type(getattr(module, "quant_method", module)).__name__
+            raise ShardprepError(f"{directory}: the target {name} is quantized ({method}), and sharded mode does not "
+                                 f"process {adapter.spelling.server}'s quantized layers (it rewrites their weights "
+                                 "after loading); serve it in full mode, or convert an unquantized checkpoint")
 
-    >>> load_draft(mtp, "out/", serving_manifest("out/"), compat.mtp_blocks, compat.keep_plain_linear)  # doctest: +SKIP
-    """
-    if manifest.draft is None:
+
+def load_replicated(adapter: ServerAdapter, model: nn.Module, directory: str | Path, manifest: Manifest, verify: bool,
+                    bound: set[int]) -> None:
+    """The model's `load_weights` fed DIR's replicated part, one tensor at a time, file-backed on the host, as the
+    server's own loader hands them (each is copied into its parameter, so the replicated part is never held twice);
+    then every parameter must have been loaded, bound, or defaulted by the server (load_check.py)."""
+    with tracked_loading(model, adapter.default_weight_loader()) as seen:
         loaded = model.load_weights(iter_replicated(directory, manifest, "cpu", verify))  # type: ignore[operator]
-        check_all_loaded(model, loaded, directory, also=optional)
-        return None, None
-    served = _with_draft.get(_key(directory))
-    if served is None:
-        raise ShardprepError(f"{directory}: the draft model was loaded before the target, or the target was not "
-                             "served sharded with its draft; shard_weights loads the target first")
-    found = modules(model, manifest.draft.layers)
-    if served.processed is None:
-        bound = bind_draft(served.binding, found)
-    else:  # bound to placeholders, for processing to read them (processed_layers.add_draft)
-        assert served.shards is not None
-        placeholders = PlaceholderGatherer(served.shards)
-        bound = draft_layers(served.shards.manifest, placeholders.layers, found)
-        for layer in bound:
-            layer.point(placeholders.views(layer.index))
-    if refuse_post_processed is not None:
-        refuse_post_processed(model, {name: p for layer in bound for p, name in layer.params})
-    ids = {id(param) for layer in bound for param, _ in layer.params}
-    for module in model.modules():
-        if any(id(p) in ids for p in module.parameters(recurse=False)):
-            if not is_quantized(module):
-                keep_plain_linear(module)
-            elif served.processed is None:
-                raise ShardprepError(f"{directory}: the draft's layer {manifest.draft.layers[0]} is quantized but "
-                                     "the target's layers are not; a sharded draft is processed with a processed "
-                                     "target only; serve it in full mode")
-    loaded = model.load_weights(iter_replicated(directory, manifest, "cpu", verify))  # type: ignore[operator]
-    check_all_loaded(model, loaded, directory, also={*parameter_names(model, ids), *optional})
-    if served.processed is None:
-        return served.binding, None
-    assert served.shards is not None and served.process_quantized is not None
-    processed = add_draft(served.processed, served.shards, served.group, bound, is_quantized,
-                          served.process_quantized)
-    return processed.binding, processed
+    check_all_loaded(model, loaded, directory, also={*parameter_names(model, bound),
+                                                     *adapter.defaulted_parameters(model)}, seen=seen)
 
 
-def draft_startup_line(binding: Binding, directory: str | Path, processed: ProcessedLayers | None = None) -> str:
-    """The line each rank logs once its draft is bound: which layers, where their gather hides, and the draft's
-    resident and saved bytes apart from the target's; with the draft processed at load (`processed`: what
-    `load_draft` returned), those are the processed bytes, and the line says how many modules were processed.
+def check_built_were_bound(built: Built, model: nn.Module, bound: Any, directory: str | Path, what: str) -> None:
+    """Refuse a weight built without storage that no manifest tensor was bound to (it would be read as one element).
 
-    >>> log.info(draft_startup_line(binding, "out/"))  # doctest: +SKIP
+    By the place each was built at: a module processed at load holds a new parameter object under the same name.
     """
-    manifest, gatherer = binding.shards.manifest, binding.gatherer
-    draft = draft_account(manifest, gatherer.num_slots)
-    assert draft is not None and manifest.draft is not None
-    layers = ", ".join(map(str, manifest.draft.layers))
-    group_ranks = torch.distributed.get_process_group_ranks(gatherer.group)
-    return (f"shardprep: DP rank {group_ranks[binding.shards.rank]} binds the {manifest.draft.kind.upper()} draft of "
-            f"{directory}: layer {layers} gathered after the target's layers (dispatched before the target's last "
-            "layer computes), into the target's slots, held through the draft's passes of a step; resident draft bytes "
-            f"{draft['resident_bytes']}, saved {draft['saved_bytes']} against {draft['sharded_bytes']} for its full "
-            "weights"
-            + ("" if processed is None else
-               f"; processed at load: {len(processed.modules)} quantized modules, its bytes as vLLM's kernels read "
-               f"them (the rank file held {processed.rank_file_bytes})"))
+    places = {id(p): (m, a) for m in model.modules() for a, p in m._parameters.items() if p is not None}
+    ids = set(map(id, bound))
+    named = parameter_names(model, ids)
+    for name, param in built:
+        module_attribute = places.get(id(param))
+        now = module_attribute[0]._parameters.get(module_attribute[1]) if module_attribute else None
+        if id(now) not in ids and name not in named:
+            raise ShardprepError(f"{name!r} was built without storage as {what} of {directory}, but no manifest "
+                                 "tensor was bound to it; was the directory converted from this model?")
 
 
-def _key(directory: str | Path) -> str:
-    return str(Path(directory).resolve())
+class ParameterPlace(NamedTuple):
+    """Where a bound parameter is: the module attribute that holds it, and the address of its data."""
+
+    module: nn.Module
+    attribute: str
+    data_ptr: int
 
 
-def startup_line(binding: Binding, directory: str | Path, processed: ProcessedLayers | None = None) -> str:
+def bound_places(model: nn.Module, bound: Mapping[str, nn.Parameter]) -> dict[str, ParameterPlace]:
+    """Manifest name → where that bound parameter is now; taken before the server post-processes the weights.
+
+    >>> before = bound_places(model, binding.target_parameters)  # doctest: +SKIP
+    """
+    names = {id(p): name for name, p in bound.items()}
+    return {names[id(p)]: ParameterPlace(module, attribute, p.data_ptr())
+            for module in model.modules() for attribute, p in module._parameters.items()
+            if p is not None and id(p) in names}
+
+
+def refuse_replaced_after_processing(before: Mapping[str, ParameterPlace], bound: Mapping[str, nn.Parameter],
+                                     server: str = "the server") -> None:
+    """Refuse, naming it, a bound parameter that the server's post-load processing replaced or pointed elsewhere:
+    a step the adapter does not know of (a newer server, another platform) shows here, where the module's
+    attribute no longer holds the bound parameter, or its data moved.
+
+    >>> refuse_replaced_after_processing(before, binding.target_parameters, "vLLM")  # doctest: +SKIP
+    """
+    for name, (module, attribute, data_ptr) in before.items():
+        if module._parameters.get(attribute) is not bound[name] or bound[name].data_ptr() != data_ptr:
+            raise ShardprepError(
+                f"shard_weights: {server}'s process_weights_after_loading replaced {name!r} "
+                f"({type(module).__name__}.{attribute}), so it would no longer be read from the gathered "
+                "weights; convert without it or serve this directory in full mode"
+            )
+
+
+def startup_line(binding: Binding, directory: str | Path, processed: ProcessedLayers | None = None,
+                 server: str = "the server", built: int | None = None) -> str:
     """The one line each rank logs at startup: what it holds against what full weights would take.
 
     DP rank and size, the layers bound, the gather backend, the resident target bytes (its chunks,
     R/N, plus the slots, 2·max|T|) against R, all read from the buffers themselves, and the rank's
     shard group (its DP ranks read back from the gatherer's process group) and rank file (docs/serving.md).
     With quantized targets processed at load, the bytes are the processed ones (R', |T'|), and the line says
-    how many modules were processed and what the rank file held.
+    how many modules were processed and what the rank file held. `built`: how many target weights were built
+    without storage.
 
-    >>> log.info(startup_line(binding, "out/"))  # doctest: +SKIP
+    >>> log.info(startup_line(binding, "out/", server="vLLM"))  # doctest: +SKIP
     """
     shards, gatherer = binding.shards, binding.gatherer
     manifest = shards.manifest
     layers = [layer.index for layer in binding.layers]
     local = sum(shards.chunk(layer).numel() for layer in layers)
-    # A draft's layers gathered with these have a line of their own (draft_startup_line).
+    # A draft's layers gathered with these have a line of their own (drafts.draft_startup_line).
     drafted = sum(shards.chunk(layer).numel() for layer in gatherer.layers if layer not in layers)
     full = account(manifest.without_draft()).sharded_bytes
-    # The DP ranks are the world (load_sharded checks it), so global ranks are DP ranks.
+    # The DP ranks are the world (load checks it), so global ranks are DP ranks.
     group_ranks = torch.distributed.get_process_group_ranks(gatherer.group)
     dp_size, n = torch.distributed.get_world_size(), shards.world_size
     return (f"shardprep: DP rank {group_ranks[shards.rank]} of {dp_size} serves {directory} sharded: "
@@ -300,8 +285,9 @@ def startup_line(binding: Binding, directory: str | Path, processed: ProcessedLa
             f"shard group {group_ranks[0] // n} of {dp_size // n} (DP ranks {group_ranks[0]}..{group_ranks[-1]}), "
             f"rank file {shards.rank} of {n}"
             + ("" if processed is None else
-               f"; processed at load: {len(processed.modules)} quantized modules, their bytes as vLLM's kernels "
-               f"read them (the rank file held {processed.rank_file_bytes})"))
+               f"; processed at load: {len(processed.modules)} quantized modules, their bytes as {server}'s kernels "
+               f"read them (the rank file held {processed.rank_file_bytes})")
+            + ("" if built is None else f"; {built} target weights built without storage"))
 
 
 def parameter_names(model: nn.Module, ids: set[int]) -> set[str]:

@@ -246,7 +246,7 @@ def sharded_binding(directory: str, ref: dict[str, bytes], dp: tuple[int, int, i
         "startup_line": startup_line(binding, directory),
         "bound": {target: names[id(p)] for target, p in binding.target_parameters.items()},
         "gathered_equal": gathered,
-        "built_without_storage": sorted(name for name, _ in loader._without_storage),
+        "built_without_storage": sorted(name for name, _ in loader.target.built),
         "local_chunk_bytes": sum(binding.shards.chunk(layer).numel() for layer in gatherer.layers),
         "slot_bytes": gatherer.slot_bytes,
         "gathered_layers": list(gatherer.layers),
@@ -262,7 +262,7 @@ def mtp_draft(source: str, full: str, sharded: str, ref_target: dict[str, bytes]
     and then the draft through `load_model`, as vLLM's worker and proposer load them: what each draft target
     bound to, whether each gather of every layer (the draft's after the target's) gives the default loader's
     bytes (the target's: `ref_target`, by parameter name), and the draft's startup line."""
-    from shardprep.integrations.sharded_load import draft_startup_line
+    from shardprep.integrations.drafts import draft_startup_line
     from shardprep.integrations.vllm.model_loader import ShardprepModelLoader
 
     config = engine_config(source, "safetensors", None, *dp, mtp=True)
@@ -297,7 +297,7 @@ def mtp_draft(source: str, full: str, sharded: str, ref_target: dict[str, bytes]
     results["sharded"] = {
         "bound": {name: names[id(p)][1] for name, p in binding.draft_parameters.items()},
         "target_bound": sorted(binding.target_parameters),
-        "built_without_storage": sorted(name for name, _ in draft_loader._without_storage),
+        "built_without_storage": sorted(name for name, _ in draft_loader.draft.built),
         "gathered_layers": list(gatherer.layers),
         "gathered_equal": gathered,
         "draft_startup_line": draft_startup_line(binding, sharded),

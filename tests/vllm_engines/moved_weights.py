@@ -47,15 +47,15 @@ def register() -> None:
 def move_quantized_targets(model, directory) -> None:
     import torch
 
-    from shardprep.integrations.vllm import adapter as compat
-    from shardprep.integrations.vllm import model_loader
+    from shardprep.integrations.sharded_load import bound_later
+    from shardprep.integrations.vllm.adapter import VllmAdapter
     from shardprep.manifests import load_manifest
 
-    is_target = model_loader.bound_later(load_manifest(directory))
+    is_target = bound_later(load_manifest(directory))
     moved = modules = 0
     for name, module in model.named_modules():
         # By attribute name, a parameter vLLM set to None included (oneDNN's int8 weight).
-        if not compat.is_quantized(module) or not any(is_target(f"{name}.{p}") for p in module._parameters):
+        if not VllmAdapter().is_quantized(module) or not any(is_target(f"{name}.{p}") for p in module._parameters):
             continue
         modules += 1
         for param in module._parameters.values():
@@ -66,4 +66,4 @@ def move_quantized_targets(model, directory) -> None:
             with torch.no_grad():  # all of its storage, whatever the view's strides
                 torch.empty(0, dtype=torch.uint8, device=old.device).set_(old.untyped_storage()).fill_(0x55)
             moved += 1
-    compat.logger().warning("%s %d tensors of %d modules", LINE, moved, modules)
+    VllmAdapter().logger().warning("%s %d tensors of %d modules", LINE, moved, modules)

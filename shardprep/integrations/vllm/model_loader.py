@@ -1,28 +1,30 @@
-"""The model loader behind `--load-format shardprep`: full mode or sharded mode, per the options."""
+"""The model loader behind `--load-format shardprep`: vLLM's loader lifecycle, each step handed to the shared flows.
+
+vLLM calls `create_model` (build), then `load_weights`, then runs its own post-load processing inside
+`load_model`; the target model first, then, with speculative decoding, the draft model with a loader of its own.
+What each step does is the flows' (`sharded_load.ShardedLoad`, `drafts.DraftLoad`, `output_weights.load_full`),
+asking vLLM's questions through `VllmAdapter`.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from ...errors import ShardprepError
-from ...manifests.manifest import Manifest, load_manifest
+from ...manifests.manifest import load_manifest
 from ...runtime.binding import Binding
 from ...runtime.layer_ops import SPLITTING_OPS
+from ..drafts import DraftLoad, hand_to_draft
 from ..load_options import ShardprepLoadOptions
-from ..sharded_load import (
-    bound_later,
-    draft_startup_line,
-    load_draft,
-    load_sharded,
-    parameter_names,
-    serving_manifest,
-    startup_line,
-)
-from . import adapter, cpu_workarounds
-from .full_mode import load_full
+from ..output_weights import load_full
+from ..sharded_load import ShardedLoad
+from . import adapter as vllm_adapter
+from . import cpu_workarounds
+from .adapter import VllmAdapter
 
 
 class ShardprepModelLoader(BaseModelLoader):
@@ -40,13 +42,17 @@ class ShardprepModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
         self.options = ShardprepLoadOptions.from_extra_config(load_config.model_loader_extra_config)
-        self.binding: Binding | None = None
-        self._manifest: Manifest | None = None  # read once by create_model in sharded mode, used by load_weights
-        self._draft_model = False  # this loader builds vLLM's draft model (DeepSeekMTP), not the target
-        self._serves_draft = False  # the target is served with its MTP draft (speculative_config)
-        self._without_storage: list[tuple[str, nn.Parameter]] = []
-        self._without_storage_places: dict[int, tuple[nn.Module, str]] = {}
-        self._bound_before_processing: dict[str, adapter.ParameterPlace] = {}
+        self.adapter = VllmAdapter()
+        self.target: ShardedLoad | None = None  # sharded mode, the target model
+        self.draft: DraftLoad | None = None  # sharded mode, vLLM's draft model
+        # What a draft's load finds the target's under, when vLLM runs one: the speculative config, the one object the
+        # target's VllmConfig and the draft's (a copy with other kernel settings) share.
+        self._deployment: Any = None
+
+    @property
+    def binding(self) -> Binding | None:
+        """The target's binding in sharded mode (also the draft's, once the draft is bound); None otherwise."""
+        return self.target.binding if self.target is not None else None
 
     def download_model(self, model_config: ModelConfig) -> None:
         load_manifest(model_config.model)  # nothing to download: a local output directory, or a clear refusal
@@ -54,73 +60,45 @@ class ShardprepModelLoader(BaseModelLoader):
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         if not self.options.shard_weights:
             return super().create_model(vllm_config, model_config, prefix)
-        self._manifest = serving_manifest(model_config.model)
-        self._draft_model = adapter.is_draft_model(model_config)
-        self._serves_draft = adapter.serves_mtp_draft(vllm_config)
-        with adapter.target_weights_without_storage(bound_later(self._manifest, self._draft_model)) as made:
-            model = super().create_model(vllm_config, model_config, prefix)
-        self._without_storage = made
-        # Where each one is: a draft module processed at load holds a new parameter object under the same attribute.
-        made_ids = {id(param) for _, param in made}
-        self._without_storage_places = {id(p): (module, attribute) for module in model.modules()
-                                        for attribute, p in module._parameters.items() if id(p) in made_ids}
-        return model
+
+        def construct() -> nn.Module:
+            return BaseModelLoader.create_model(self, vllm_config, model_config, prefix)
+
+        directory = model_config.model
+        if vllm_adapter.is_draft_model(model_config):
+            self.draft = DraftLoad(self.adapter, directory, self.options, vllm_config.speculative_config)
+            return self.draft.build(construct)
+        self._deployment = getattr(vllm_config, "speculative_config", None)
+        self.target = ShardedLoad(self.adapter, directory, self.options,
+                                  with_draft=vllm_adapter.serves_mtp_draft(vllm_config))
+        return self.target.build(construct)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        directory = model_config.model
-        layout = adapter.current_layout()
+        layout = self.adapter.layout()
         if layout.dp_size > 1 and layout.platform == "cpu":
             cpu_workarounds.install_cpu_dp_collectives()
             if not layout.eager:
                 cpu_workarounds.trace_moe_as_one_op(model)
         if not self.options.shard_weights:
-            load_full(model, directory, self.options.verify, optional=adapter.defaulted_parameters(model))
-            return
-        if self._draft_model:
-            self._load_draft(model, directory)
-            return
-        self.binding, processed = load_sharded(
-            model, directory, layout, adapter.keep_plain_linear, self.options.verify, self.options.shard_group_size,
-            self.options.allow_cross_node_groups, refuse_post_processed=adapter.refuse_post_processed,
-            manifest=self._manifest, is_quantized=adapter.is_quantized, process_quantized=adapter.process_quantized,
-            optional=adapter.defaulted_parameters(model), model_name=adapter.module_names(model),
-            draft=self._serves_draft)
-        self._bound_before_processing = adapter.bound_places(model, self.binding.target_parameters)
-        # By name: a quantized module processed at load holds new parameter objects under the same names.
-        bound = {id(param) for param in self.binding.target_parameters.values()}
-        bound_names = parameter_names(model, bound)
-        unbound = [name for name, _ in self._without_storage if name not in bound_names]
-        if unbound:
-            raise ShardprepError(f"{unbound[0]!r} was built without storage as a target of {directory}, but no "
-                                 "manifest tensor was bound to it; was the directory converted from this model?")
-        if not layout.eager:
-            adapter.add_splitting_ops(SPLITTING_OPS)
-        adapter.logger().info(startup_line(self.binding, directory, processed))
-
-    def _load_draft(self, model: nn.Module, directory: str) -> None:
-        assert self._manifest is not None
-        binding, processed = load_draft(
-            model, directory, self._manifest, adapter.mtp_blocks, adapter.keep_plain_linear, self.options.verify,
-            adapter.is_quantized, adapter.defaulted_parameters(model),
-            refuse_post_processed=adapter.refuse_post_processed)
-        bound = set() if binding is None else {id(p) for p in binding.draft_parameters.values()}
-        places = self._without_storage_places
-        unbound = [name for name, param in self._without_storage
-                   if id(places[id(param)][0]._parameters.get(places[id(param)][1])) not in bound]
-        if unbound:
-            raise ShardprepError(f"{unbound[0]!r} was built without storage as a draft target of {directory}, but "
-                                 "no manifest tensor was bound to it; was the directory converted from this model?")
-        if binding is not None:
-            adapter.logger().info(draft_startup_line(binding, directory, processed))
+            load_full(model, model_config.model, self.options.verify, self.adapter)
+        elif self.draft is not None:
+            self.draft.load(model)
+        else:
+            assert self.target is not None, "create_model builds the model in sharded mode"
+            self.target.load(model)
+            if self._deployment is not None:
+                hand_to_draft(self._deployment, self.target)
+            if not layout.eager:
+                vllm_adapter.add_splitting_ops(SPLITTING_OPS)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         # vLLM's process_weights_after_loading runs inside, after load_weights: check that it left every
         # bound parameter where the binding put it.
         model = super().load_model(vllm_config, model_config, prefix)
-        if self.binding is not None:
-            adapter.refuse_replaced_after_processing(self._bound_before_processing, self.binding.target_parameters)
-            if not adapter.key_compile_cache(vllm_config, self.binding.compile_key()):
-                adapter.logger().warning(
+        if self.target is not None and self.target.binding is not None:
+            self.target.check_after_processing()
+            if not vllm_adapter.key_compile_cache(vllm_config, self.target.binding.compile_key()):
+                self.adapter.logger().warning(
                     "shardprep: additional_config is not a dict, so vLLM's compile cache cannot tell this sharded "
                     "model's graphs from full mode's; set VLLM_DISABLE_COMPILE_CACHE=1")
         return model

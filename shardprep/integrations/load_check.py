@@ -1,0 +1,107 @@
+"""No silent weights: after a load, every parameter of the model was loaded, bound to a gather, or given a default by
+the server, or the load is refused in one line naming it.
+
+A model's `load_weights` may report what it loaded (a set of names) or nothing (None: vLLM's EAGLE-3 and DFlash
+drafts). Trusting a None would let a parameter nobody wrote keep whatever its memory held (a converted DFlash draft
+once ran on uninitialized weights this way, every proposal token 0, with no error). So the load is watched: vLLM
+and SGLang load a parameter by calling its `weight_loader` attribute, or their `default_weight_loader` when it has
+none; `tracked_loading` wraps both for the duration of the load and records which parameters were passed to one.
+A model that reports a set is checked against that set, as the servers' own loaders check it; one that reports
+None is checked against what was seen.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Collection, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..errors import ShardprepError
+
+
+class _Tracked:
+    """A parameter's loader, wrapped: records the parameter it is called with, then loads as before.
+
+    Compares equal to the loader it wraps (some models test `weight_loader == default_weight_loader`) and
+    forwards attribute reads (a bound method's `__self__`, `__func__`), so a model sees its own loader.
+    """
+
+    def __init__(self, load: Callable[..., Any], seen: set[int]):
+        self._load, self._seen = load, seen
+        functools.update_wrapper(self, load)
+
+    def __call__(self, param: Any, *args: Any, **kwargs: Any) -> Any:
+        self._seen.add(id(param))
+        return self._load(param, *args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or self._load == other
+
+    def __hash__(self) -> int:
+        return hash(self._load)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._load, name)
+
+
+@contextmanager
+def tracked_loading(model: nn.Module, default_loader: Callable[..., Any] | None) -> Iterator[set[int] | None]:
+    """Inside this block, record the id of every parameter of `model` that a loader is called with.
+
+    Yields the set of ids (filled as the model loads), or None without a `default_loader` (a server without the
+    `weight_loader` convention: nothing can be watched). Each parameter's `weight_loader` is put back as it was.
+
+    >>> from torch import nn
+    >>> layer = nn.Linear(2, 2)
+    >>> def load(param, tensor): param.data.copy_(tensor)
+    >>> with tracked_loading(layer, load) as seen:
+    ...     layer.weight.weight_loader(layer.weight, layer.weight.detach() * 0)
+    >>> seen == {id(layer.weight)}, hasattr(layer.weight, "weight_loader")
+    (True, False)
+    """
+    if default_loader is None:
+        yield None
+        return
+    seen: set[int] = set()
+    restore: list[tuple[Any, Any]] = []
+    missing: Any = object()
+    for param in model.parameters():
+        held: Any = param  # a server's parameters carry attributes of their own (`weight_loader`)
+        original = getattr(held, "weight_loader", missing)
+        held.weight_loader = _Tracked(default_loader if original is missing or original is None else original, seen)
+        restore.append((held, original))
+    try:
+        yield seen
+    finally:
+        for param, original in restore:
+            if original is missing:
+                del param.weight_loader
+            else:
+                param.weight_loader = original
+
+
+def check_all_loaded(model: nn.Module, loaded: Iterable[str] | None, directory: str | Path,
+                     also: Collection[str] = (), seen: set[int] | None = None) -> None:
+    """Refuse a model with a parameter that was not loaded and is not in `also` (bound to a gather, or defaulted).
+
+    `loaded`: what `load_weights` reported; when it reported None, `seen` (from `tracked_loading`) says what was
+    loaded instead. Only a model that reports None and whose load could not be watched passes unchecked.
+
+    >>> check_all_loaded(model, model.load_weights(weights), "out/")  # doctest: +SKIP
+    """
+    if loaded is not None:
+        done = set(loaded)
+    elif seen is not None:
+        done = {name for name, p in model.named_parameters() if id(p) in seen}
+    else:
+        return
+    missing = sorted({name for name, _ in model.named_parameters()} - done - set(also))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if missing[1:] else ""
+        how = "" if loaded is not None else " (its load_weights reports nothing: no weight loader was called for it)"
+        raise ShardprepError(f"{directory}: the model's parameter {missing[0]!r}{more} is in no tensor of the "
+                             f"output{how}; was it converted from this model?")
