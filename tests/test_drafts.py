@@ -71,7 +71,7 @@ def outs(dflash_src, eagle3_src, target_src, tmp_path_factory):
 
 
 def replicated_names(out) -> set[str]:
-    """The tensors OUT's replicated files hold (the index maps the targets to the sentinel that plain loaders fail on)."""
+    """The tensors OUT's replicated files hold (its index maps the targets to the sentinel plain loaders fail on)."""
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     return {name for name, file in weight_map.items() if file != SHARDED_SENTINEL}
 
@@ -98,7 +98,7 @@ def test_convert_takes_a_dflash_draft_as_published_every_layers_projections_shar
     assert validate(outs["dflash"], dflash_src).ok
 
 
-def test_convert_takes_eagle3s_unnumbered_midlayer_as_layer_0_under_its_checkpoint_names(eagle3_src, outs):
+def test_convert_takes_eagle3s_unnumbered_midlayer_as_layer_0_under_its_checkpoint_names(eagle3_src, outs, tmp_path):
     manifest = load_manifest(outs["eagle3"])
     (layer,) = manifest.layers
     assert layer.layer == 0
@@ -115,6 +115,9 @@ def test_convert_takes_eagle3s_unnumbered_midlayer_as_layer_0_under_its_checkpoi
     assert record["selection"]["unnumbered_layers"] == {"midlayer": 0}
     # validate reads the names back with the recorded map, against the source.
     assert validate(outs["eagle3"], eagle3_src).ok
+    # Its preset given by name gives the same manifest as the one chosen from config.json.
+    convert(eagle3_src, tmp_path / "named", 2, preset="eagle3")
+    assert (tmp_path / "named" / MANIFEST_NAME).read_text() == (outs["eagle3"] / MANIFEST_NAME).read_text()
 
 
 def test_an_unnumbered_layer_is_a_layer_only_where_a_preset_names_it(tmp_path):
@@ -244,7 +247,8 @@ def test_validate_and_inspect_show_the_drafts_kind_its_target_and_its_saving(out
     assert draft["sharded_bytes"] == sum(r.total_bytes for r in manifest.layers)
     # Beside a target whose slots hold its largest layer it adds its chunks alone; in slots of its own, the slots too.
     assert draft["resident_bytes"] == sum(r.chunk_bytes for r in manifest.layers)
-    assert draft["saved_bytes"] == draft["sharded_bytes"] - draft["resident_bytes"] and draft["target_saved_bytes"] is None
+    assert draft["saved_bytes"] == draft["sharded_bytes"] - draft["resident_bytes"]
+    assert draft["target_saved_bytes"] is None
     assert draft["own_slots_saved_bytes"] == info["totals"]["saved_bytes"] < draft["saved_bytes"]
     text = invoke("inspect", outs["eagle3"]).output
     assert "draft (an EAGLE-3 draft model, layer 0; its target: hidden size 64, vocabulary 128, reads layers 0, 1, 2)" \
