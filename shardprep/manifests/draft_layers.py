@@ -171,9 +171,8 @@ def draft_target(config: Mapping[str, Any]) -> DraftTarget:
             raise SourceError(f"{where}: {key} must be a positive integer, got {quoted(value)}")
         return int(value)
 
-    hidden = count("target_hidden_size" if config.get("target_hidden_size") is not None else "hidden_size",
-                   config.get("target_hidden_size") if config.get("target_hidden_size") is not None
-                   else config.get("hidden_size"))
+    width = "target_hidden_size" if config.get("target_hidden_size") is not None else "hidden_size"
+    hidden = count(width, config.get(width))
     vocab = count("vocab_size", config.get("vocab_size"))
     if kind == DFLASH:
         key, ids = "dflash_config.target_layer_ids", _section(config, "dflash_config").get("target_layer_ids")
@@ -218,7 +217,8 @@ def draft_tensor_problem(draft: DraftLayers, shapes: Mapping[str, Sequence[int]]
     facts, so they must be the tensors'), in one line; None when they agree or cannot be compared.
 
     EAGLE-3's `t2d` has one entry per target token (`vocab_size`); `fc.weight` reads the captured target hidden
-    states concatenated: `hidden_size` × the number of target layers read (EAGLE-3 without the ids: vLLM's 3).
+    states concatenated: `hidden_size` × the number of target layers read (where the config lists them; without,
+    vLLM takes a count from elsewhere in the config).
 
     >>> draft = DraftLayers(EAGLE3, (0,), DraftTarget(64, 128, (0, 1, 2)))
     >>> draft_tensor_problem(draft, {"t2d": (128,), "fc.weight": (64, 192)}) is None
@@ -234,7 +234,7 @@ def draft_tensor_problem(draft: DraftLayers, shapes: Mapping[str, Sequence[int]]
         return (f"tensor 't2d' has {'×'.join(map(str, t2d))} entries, one per target token, but config.json's "
                 f"vocab_size is {facts.vocab_size}")
     fc = shapes.get("fc.weight")
-    reads = len(facts.aux_layers) if facts.aux_layers else (3 if draft.kind == EAGLE3 else None)
+    reads = len(facts.aux_layers) if facts.aux_layers else 0
     if fc is not None and reads and len(fc) == 2 and fc[1] != reads * facts.hidden_size:
         return (f"tensor 'fc.weight' reads {fc[1]} features, but config.json says {reads} target layers of hidden "
                 f"size {facts.hidden_size} ({reads * facts.hidden_size})")
@@ -313,8 +313,9 @@ def serving_draft(draft: DraftLayers | None, layers: Iterable[int], config: Mapp
         return from_config
     if from_config != draft:
         says = from_config.describe() if from_config else "no draft among them"
-        if from_config is not None and from_config.kind == draft.kind and from_config.layers == draft.layers:
-            says = f"other target facts ({from_config.target}, the manifest's {draft.target})"
+        if (from_config is not None and from_config.kind == draft.kind and from_config.layers == draft.layers
+                and from_config.target is not None and draft.target is not None):
+            says = f"other target facts ({from_config.target.record()}; the manifest's {draft.target.record()})"
         keys = ("architectures and its target's keys" if draft.is_model
                 else "num_hidden_layers, num_nextn_predict_layers")
         raise ManifestError(f"{where}: the manifest marks {draft.describe()} but config.json ({keys}) says {says}; "
