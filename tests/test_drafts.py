@@ -33,6 +33,7 @@ from shardprep.prep.inspect import inspect
 from shardprep.prep.reshard import reshard
 from shardprep.prep.selection import Selection, load_preset, parse_layers, select_targets
 from shardprep.prep.validate import validate
+from shardprep.prep.validate_manifest import validate_manifest
 
 PROJECTIONS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
@@ -113,8 +114,12 @@ def test_convert_takes_eagle3s_unnumbered_midlayer_as_layer_0_under_its_checkpoi
     record = json.loads((outs["eagle3"] / MANIFEST_NAME).read_text())
     assert record["draft"] == {"kind": "eagle3", "layers": [0], "target": TARGET}, "no num_layers: EAGLE-3 says none"
     assert record["selection"]["unnumbered_layers"] == {"midlayer": 0}
-    # validate reads the names back with the recorded map, against the source.
     assert validate(outs["eagle3"], eagle3_src).ok
+    # `validate --manifest-only --source` applies the recorded selection to the source's names: with its map.
+    report = validate_manifest(outs["eagle3"], source=eagle3_src)
+    assert report.ok, report.messages
+    assert report.checked["targets_checked_against_source"] == 7
+    assert [w.code for w in report.warnings] == ["bytes_not_checked"], "its fused groups were checked too"
     # Its preset given by name gives the same manifest as the one chosen from config.json.
     convert(eagle3_src, tmp_path / "named", 2, preset="eagle3")
     assert (tmp_path / "named" / MANIFEST_NAME).read_text() == (outs["eagle3"] / MANIFEST_NAME).read_text()
