@@ -19,7 +19,8 @@ import torch
 
 ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-published", "deepseek-v3-mla", "kimi-k2-mla",
          "deepseek-v3-mla-q-proj", "deepseek-v3-mla-blocks", "deepseek-v3-mla-blocks-8-heads", "kimi-linear", "bert",
-         "kimi-k3", "deepseek-v3-mtp", "deepseek-v3-mla-mtp", "deepseek-v3-mla-blocks-mtp", "kimi-k3-mtp")
+         "kimi-k3", "deepseek-v3-mtp", "deepseek-v3-mla-mtp", "deepseek-v3-mla-blocks-mtp", "kimi-k3-mtp",
+         "dflash", "eagle3")
 MTP_SUFFIX = "-mtp"
 """`ARCH-mtp`: the DeepSeek-V3 `ARCH` with one MTP layer, laid out as DeepSeek publishes it (make_mtp_checkpoint);
 `kimi-k3-mtp`: Kimi K3 with its MTP layer (make_kimi_k3_checkpoint)."""
@@ -142,11 +143,23 @@ def make_checkpoint(
     seed: int = 0,
     tokenizer: bool = True,
     head_dim: int | None = None,
+    target_layers: int = 3,
 ) -> Path:
-    """Write a tiny random `arch` model with save_pretrained (single file, or several shards plus an index)."""
+    """Write a tiny random `arch` model with save_pretrained (single file, or several shards plus an index).
+
+    `dflash` and `eagle3` are draft models as published (make_dflash_checkpoint, make_eagle3_checkpoint), for a
+    `qwen3-moe` target of `target_layers` layers, `hidden` and `vocab`: `layers` is the DFlash draft's own
+    layer count (EAGLE-3 has one, its midlayer).
+    """
     import transformers as tf
 
     directory = Path(directory)
+    if arch == "dflash":
+        return make_dflash_checkpoint(directory, layers=layers, hidden=hidden, vocab=vocab, dtype=dtype, seed=seed,
+                                      head_dim=head_dim or DRAFT_HEAD_DIM, target_layers=target_layers)
+    if arch == "eagle3":
+        return make_eagle3_checkpoint(directory, hidden=hidden, vocab=vocab, dtype=dtype, seed=seed,
+                                      head_dim=head_dim or DRAFT_HEAD_DIM, target_layers=target_layers)
     if arch.startswith("kimi-k3"):
         return make_kimi_k3_checkpoint(directory, layers=layers, vocab=vocab, dtype=dtype, seed=seed,
                                        tokenizer=tokenizer, mtp=arch.endswith(MTP_SUFFIX))
@@ -370,6 +383,124 @@ def make_kimi_k3_checkpoint(directory: str | Path, *, layers: int = 4, vocab: in
     if tokenizer:
         save_tiny_tokenizer(directory, vocab)
     return directory
+
+
+DRAFT_HEAD_DIM = 32
+"""The drafts' attention head size: vLLM's CPU attention needs >= 32 (a draft's heads are its own, not its target's)."""
+
+
+def draft_aux_layers(target_layers: int) -> list[int]:
+    """The target layer ids the tiny drafts read (DFlash's `target_layer_ids`, EAGLE-3's
+    `eagle_aux_hidden_state_layer_ids`): the first, middle and last layer, as published drafts spread theirs."""
+    return sorted({0, target_layers // 2, target_layers - 1})
+
+
+def _perturbed(module: torch.nn.Module, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A module's state dict under `prefix`, every value perturbed (as make_checkpoint's) and cast to `dtype`."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return {prefix + name: t.detach().to(dtype).contiguous() for name, t in module.state_dict().items()}
+
+
+def _write_draft(directory: Path, config, extra: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """config.json (transformers' `config`, its architectures and draft keys as published: `extra`) and one
+    model.safetensors, as the published drafts ship (no tokenizer: the target's is used)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **extra}, indent=2) + "\n")
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def make_dflash_checkpoint(directory: str | Path, *, layers: int = 2, hidden: int = 64, vocab: int = 128,
+                           target_layers: int = 3, head_dim: int = DRAFT_HEAD_DIM, dtype: torch.dtype = torch.bfloat16,
+                           seed: int = 0) -> Path:
+    """A DFlash draft (z-lab's layout, vLLM 0.32's `DFlashDraftModel` -> qwen3_dflash.DFlashQwen3ForCausalLM) for
+    the tiny `qwen3-moe` target of `target_layers` layers, `hidden` and `vocab`.
+
+    Nothing in transformers writes this format, so it is built as published:
+    1. `layers` decoder layers are transformers' own `Qwen3DecoderLayer` on a tiny random `Qwen3Config` (hidden
+       `hidden`, 4 heads of `head_dim`, 2 KV heads); each one's state dict goes under `layers.{i}.`, with no
+       `model.` prefix: `self_attn.{q,k,v,o}_proj`, `self_attn.{q,k}_norm`, `mlp.{gate,up,down}_proj`,
+       `input_layernorm`, `post_attention_layernorm`, as z-lab's checkpoints name them;
+    2. the draft's own tensors are added: `fc.weight` [hidden, len(target_layer_ids)·hidden] (a torch Linear: the
+       captured target hidden states, concatenated, to the draft's width), and `hidden_norm.weight` and
+       `norm.weight` (transformers' `Qwen3RMSNorm`); no embedding and no LM head (the target's are used);
+    3. config.json is the Qwen3Config's (save_pretrained, `model_type` qwen3) with what z-lab's adds:
+       `architectures ["DFlashDraftModel"]`, `block_size` 4, `num_target_layers` (the target's layer count) and
+       `dflash_config {mask_token_id: vocab - 1, target_layer_ids: draft_aux_layers(target_layers)}` (DFlash's
+       ids: the output of target layer i; vLLM adds 1).
+    Every value is random (perturbed, so no two weights are equal), in `dtype`, in one model.safetensors.
+    """
+    import transformers as tf
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
+
+    torch.manual_seed(seed)
+    aux = draft_aux_layers(target_layers)
+    config = tf.Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 24,
+                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                            max_position_embeddings=256, tie_word_embeddings=False)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        tensors |= _perturbed(Qwen3DecoderLayer(config, i), f"layers.{i}.", dtype)
+    tensors |= _perturbed(torch.nn.Linear(len(aux) * hidden, hidden, bias=False), "fc.", dtype)
+    tensors |= _perturbed(Qwen3RMSNorm(hidden), "hidden_norm.", dtype)
+    tensors |= _perturbed(Qwen3RMSNorm(hidden), "norm.", dtype)
+    extra = {"architectures": ["DFlashDraftModel"], "block_size": 4, "num_target_layers": target_layers,
+             "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": aux}}
+    return _write_draft(Path(directory), config, extra, tensors)
+
+
+def make_eagle3_checkpoint(directory: str | Path, *, hidden: int = 64, vocab: int = 128, draft_vocab: int = 96,
+                           target_layers: int = 3, head_dim: int = DRAFT_HEAD_DIM, dtype: torch.dtype = torch.bfloat16,
+                           seed: int = 0) -> Path:
+    """An EAGLE-3 draft (the layout of EAGLE-3's and SpecForge's published drafts, vLLM 0.32's
+    `LlamaForCausalLMEagle3` -> llama_eagle3.Eagle3LlamaForCausalLM) for the tiny `qwen3-moe` target of
+    `target_layers` layers, `hidden` and `vocab`, with a draft vocabulary of `draft_vocab` of its tokens.
+
+    Nothing in transformers writes this format, so it is built as published:
+    1. its one decoder layer, `midlayer` (unnumbered), is transformers' own `LlamaDecoderLayer` on a tiny random
+       `LlamaConfig` (hidden `hidden`, 4 heads of `head_dim`, 2 KV heads) under `midlayer.`, except q/k/v: EAGLE-3's
+       take the token embedding and the hidden state concatenated (2·hidden wide), so they are those of a
+       transformers `LlamaAttention` built on the same config with `hidden_size` 2·hidden; plus
+       `midlayer.hidden_norm.weight` (a `LlamaRMSNorm`);
+    2. the draft's own tensors: `fc.weight` [hidden, 3·hidden] (three captured target hidden states to one),
+       `norm.weight`, `lm_head.weight` [draft_vocab, hidden] (torch Linear), `d2t` (int64 [draft_vocab]: draft
+       token i is target token i + d2t[i]) and `t2d` (bool [vocab]: which target tokens the draft has), for a
+       random sorted subset of the target's tokens; no embedding (the target's is used);
+    3. config.json is the LlamaConfig's (save_pretrained, `model_type` llama, `num_hidden_layers` 1, `vocab_size`
+       the target's) with what EAGLE-3's adds: `architectures ["LlamaForCausalLMEagle3"]`, `draft_vocab_size`
+       and `eagle_config {eagle_aux_hidden_state_layer_ids: draft_aux_layers(target_layers),
+       use_aux_hidden_state: true}` (vLLM's ids: the hidden state entering target layer i).
+    """
+    import transformers as tf
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaRMSNorm
+
+    torch.manual_seed(seed)
+    aux = draft_aux_layers(target_layers)
+    config = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 24,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                            max_position_embeddings=256, tie_word_embeddings=False)
+    wide = tf.LlamaConfig(**{**config.to_dict(), "hidden_size": 2 * hidden})
+    layer = _perturbed(LlamaDecoderLayer(config, 0), "midlayer.", dtype)
+    qkv = _perturbed(LlamaAttention(wide, 0), "midlayer.self_attn.", dtype)
+    tensors = {**layer, **{name: t for name, t in qkv.items() if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj")}}
+    tensors |= _perturbed(LlamaRMSNorm(hidden), "midlayer.hidden_norm.", dtype)
+    tensors |= _perturbed(torch.nn.Linear(len(aux) * hidden, hidden, bias=False), "fc.", dtype)
+    tensors |= _perturbed(LlamaRMSNorm(hidden), "norm.", dtype)
+    tensors |= _perturbed(torch.nn.Linear(hidden, draft_vocab, bias=False), "lm_head.", dtype)
+    kept = torch.sort(torch.randperm(vocab)[:draft_vocab]).values
+    tensors["d2t"] = kept - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    tensors["t2d"] = t2d
+    extra = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
+             "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}}
+    return _write_draft(Path(directory), config, extra, tensors)
 
 
 def save_tiny_tokenizer(directory: str | Path, vocab: int = 128) -> None:

@@ -66,13 +66,39 @@ def draft_line(draft: dict[str, Any]) -> str:
     draft (MTP layer 3): Σ|T| 8.00 KiB, per rank resident 2.00 KiB more, saved 6.00 KiB on top of the
     target's 1.00 KiB; the target alone: convert --layers without 3, or serve without a draft (its layers are
     left unread)
+    >>> print(draft_line({"kind": "dflash", "layers": [0, 1], "sharded_bytes": 8192, "resident_bytes": 4096,
+    ...                   "saved_bytes": 4096, "target_saved_bytes": None, "max_layer_bytes": 4096,
+    ...                   "own_slots_saved_bytes": -8192, "target": {"hidden_size": 64, "vocab_size": 128,
+    ...                   "aux_layers": [0, 2], "num_layers": 3}}))  # doctest: +NORMALIZE_WHITESPACE
+    draft (a DFlash draft model, layers 0, 1; its target: hidden size 64, vocabulary 128, 3 layers, reads layers
+    0, 2): Σ|T| 8.00 KiB, per rank resident 4.00 KiB, saved 4.00 KiB gathered in its target's slots (where the
+    target's largest sharded layer is at least its 4.00 KiB: `shardprep plan TARGET --draft DIR` counts both);
+    in slots of its own -8.00 KiB
     """
     layers = ", ".join(map(str, draft["layers"]))
-    return (f"draft ({draft['kind'].upper()} layer{'s' if len(draft['layers']) > 1 else ''} {layers}): "
-            f"Σ|T| {human_bytes(draft['sharded_bytes'])}, per rank resident {human_bytes(draft['resident_bytes'])} "
-            f"more, saved {human_bytes(draft['saved_bytes'])} on top of the target's "
-            f"{human_bytes(draft['target_saved_bytes'])}; the target alone: convert --layers without {layers}, or "
-            "serve without a draft (its layers are left unread)")
+    many = "s" if len(draft["layers"]) > 1 else ""
+    if "target" not in draft:
+        return (f"draft ({draft['kind'].upper()} layer{many} {layers}): Σ|T| {human_bytes(draft['sharded_bytes'])}, "
+                f"per rank resident {human_bytes(draft['resident_bytes'])} more, saved "
+                f"{human_bytes(draft['saved_bytes'])} on top of the target's "
+                f"{human_bytes(draft['target_saved_bytes'])}; the target alone: convert --layers without {layers}, or "
+                "serve without a draft (its layers are left unread)")
+    facts = draft["target"]
+    name = {"dflash": "DFlash", "eagle3": "EAGLE-3"}.get(draft["kind"], draft["kind"])
+    known = [f"hidden size {facts['hidden_size']}", f"vocabulary {facts['vocab_size']}"]
+    known += [f"{facts['num_layers']} layers"] if "num_layers" in facts else []
+    known += [f"reads layers {', '.join(map(str, facts['aux_layers']))}"] if "aux_layers" in facts else []
+    head = (f"draft ({'an' if name[0] in 'AEIOU' else 'a'} {name} draft model, layer{many} {layers}; its target: "
+            f"{', '.join(known)}): "
+            f"Σ|T| {human_bytes(draft['sharded_bytes'])}, per rank resident {human_bytes(draft['resident_bytes'])}")
+    if draft["target_saved_bytes"] is None:
+        return (f"{head}, saved {human_bytes(draft['saved_bytes'])} gathered in its target's slots (where the "
+                f"target's largest sharded layer is at least its {human_bytes(draft['max_layer_bytes'])}: "
+                f"`shardprep plan TARGET --draft DIR` counts both); in slots of its own "
+                f"{human_bytes(draft['own_slots_saved_bytes'])}")
+    together = draft["saved_bytes"] + draft["target_saved_bytes"]
+    return (f"{head} more, saved {human_bytes(draft['saved_bytes'])} on top of the target's "
+            f"{human_bytes(draft['target_saved_bytes'])}: {human_bytes(together)} together")
 
 
 def print_json(data: Any) -> None:

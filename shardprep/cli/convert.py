@@ -22,11 +22,14 @@ def convert_command(
     target: Annotated[list[str] | None, typer.Option("--target", "-t", metavar="GLOB",
                       help="fnmatch glob over full tensor names; repeatable.")] = None,
     preset: Annotated[str | None, typer.Option(metavar="NAME|FILE", help="Built-in preset (see `shardprep "
-                                                                        "presets`) or a preset JSON file.")] = None,
-    layers: Annotated[str, typer.Option(metavar="LAYERS", help="Layers to shard: N, A-B, A-, -B, a range with a "
-                                        "stride (1-:2 = every other layer from 1), lists (1,3,5-9), or 'all'; "
-                                        "`shardprep plan` prints one. Default skips layer 0, whose compute hides "
-                                        "layer 1's gather.")] = "1-",
+                                                                        "presets`) or a preset JSON file; a DFlash "
+                                                                        "or EAGLE-3 draft's checkpoint gets its own "
+                                                                        "without one.")] = None,
+    layers: Annotated[str | None, typer.Option(metavar="LAYERS", help="Layers to shard: N, A-B, A-, -B, a range "
+                                               "with a stride (1-:2 = every other layer from 1), lists (1,3,5-9), or "
+                                               "'all'; `shardprep plan` prints one. Default 1-: layer 0, whose "
+                                               "compute hides layer 1's gather, stays replicated; a DFlash or "
+                                               "EAGLE-3 draft's checkpoint: all.")] = None,
     layer_pattern: Annotated[str | None, typer.Option(metavar="REGEX", help="Regex with one group capturing the "
                                                                             "layer index.")] = None,
     revision: Annotated[str | None, typer.Option(metavar="REV", help="Hub revision (branch, tag or commit).")]
@@ -67,6 +70,9 @@ def convert_command(
             revision=revision, copy_mode=copy_mode, overwrite=overwrite, requant=options, dry_run=dry_run,
             chunk_alignment=chunk_alignment, progress=progress,
         )
+    if summary.preset and preset is None and not target and not (quiet or json_out):
+        typer.echo(f"preset {summary.preset}: {src}'s config.json is a {summary.preset} draft model's (no --preset "
+                   "given); every layer sharded unless --layers says otherwise")
     if json_out:
         print_json(summary.to_dict())
     elif dry_run:
@@ -96,7 +102,8 @@ def _requant_line(summary: ConvertSummary) -> str:
 
 def _print_dry_run(plan: dict) -> None:
     draft = plan["draft"]
-    drafted = {str(i) for i in draft["layers"]} if draft else set()
+    # A draft model's own checkpoint is all draft (its line below says so): no target layer to tell its layers from.
+    drafted = {str(i) for i in draft["layers"]} if draft and "target" not in draft else set()
     for layer, names in plan["layers"].items():
         fused = plan["fused_views"].get(layer, [])
         whose = f" (draft: {draft['kind'].upper()} layer, not the target model's)" if layer in drafted else ""

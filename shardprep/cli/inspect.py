@@ -87,7 +87,8 @@ def inspect_command(
     console.print(f"rank files: {human_bytes(info['rank_file_bytes'])} each, chunk alignment "
                   f"{human_bytes(info['chunk_alignment'])}, {human_bytes(info['alignment_padding_bytes'])} of "
                   "alignment padding per rank")
-    if info["totals"]["shortfall_reason"]:
+    # A draft model's own directory gathers in its target's slots: the draft line says what it saves there.
+    if info["totals"]["shortfall_reason"] and not (info["draft"] and "target" in info["draft"]):
         console.print(f"no memory saved: {info['totals']['shortfall_reason']}")
     console.print(_checked_with_line(info))
     if info["quantization"]:

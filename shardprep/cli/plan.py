@@ -21,6 +21,7 @@ from ._format import (
     NumSlots,
     Tp,
     capacity_rows,
+    draft_line,
     human_bytes,
     kind_totals_line,
     kinds_text,
@@ -49,6 +50,9 @@ def plan_command(
         metavar="LAYERS", help="Candidate layers (convert --layers syntax); the plan picks among them.")] = "all",
     layer_pattern: Annotated[str | None, typer.Option(
         metavar="REGEX", help="Regex with one group capturing the layer index.")] = None,
+    draft: Annotated[str | None, typer.Option(
+        metavar="DRAFT", help="A DFlash or EAGLE-3 draft to serve beside the target (its checkpoint or converted "
+                              "directory): its saving apart from the target's, and both together.")] = None,
     revision: Annotated[str | None, typer.Option(metavar="REV", help="Hub revision (SRC only).")] = None,
     profile: Annotated[Path | None, typer.Option(
         metavar="FILE", help="A `shardprep profile` JSON of the target machine: compute, gathers, interference.")]
@@ -96,7 +100,7 @@ def plan_command(
         trace_part = stack.enter_context(replaced_on_success(trace, "--trace")) if trace is not None else None
         request = PlanRequest(
             source=source, ranks=ranks, targets=tuple(target or ()), preset=preset, layers=layers,
-            layer_pattern=layer_pattern, revision=revision, profile=profile, link_gbps=link_gbps,
+            layer_pattern=layer_pattern, revision=revision, profile=profile, link_gbps=link_gbps, draft=draft,
             backend=backend.value if backend else None,
             tokens=parse_token_counts(tokens) if tokens else None, hbm_bytes=hbm_bytes(gpu, hbm_gb),
             context_len=context_len, max_overhead=parse_fraction(max_overhead, "--max-overhead"),
@@ -160,6 +164,8 @@ def print_plan(report: PlanReport, preset: str | None, targets: tuple[str, ...])
                                       report.kv.to_dict() if report.kv else None, report.experts.to_dict()):
         memory.add_row(label, value)
     console.print(memory)
+    if report.draft is not None:
+        console.print(draft_line(report.draft), soft_wrap=True)
     if report.convert_layers:
         selection = (f" --preset {preset}" if preset else "") + "".join(f" --target '{t}'" for t in targets)
         src = report.source if report.kind == "checkpoint" else "SRC"

@@ -24,7 +24,7 @@ def presets_command(
         print_json({"schema": SCHEMA, "presets": [
             {"name": p.name, "description": p.description, "targets": list(p.targets),
              "fused": [{"name": f.name, "members": list(f.members)} for f in p.fused],
-             "quantized_weights": list(QUANTIZED_WEIGHTS),
+             "quantized_weights": list(QUANTIZED_WEIGHTS), "unnumbered_layers": dict(p.unnumbered_layers),
              "checked_with": [{"server": c.server, "mode": c.mode, "test": c.test} for c in p.checked_with]}
             for p in presets]})
         return
@@ -34,6 +34,8 @@ def presets_command(
             typer.echo(f"    {glob}")
         for f in p.fused:
             typer.echo(f"    fused {f.name} = {' + '.join(f.members)}")
+        for name, index in p.unnumbered_layers:
+            typer.echo(f"    {name}.* is layer {index}")
         typer.echo(f"    and of each ….weight, glob or fused view, the same module's "
                    f"{', '.join(f'….{q}' for q in QUANTIZED_WEIGHTS)} (quantized checkpoints)")
         typer.echo(f"    checked with: {', '.join(map(str, p.checked_with)) or 'nothing'}")

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..errors import ShardprepError
 from ..manifests.layout import ENTRY_ALIGNMENT, Entry, align_up, used_bytes
 from ..manifests.manifest import Manifest
 
@@ -88,14 +89,15 @@ def account_layers(
     world_size: int,
     *,
     num_slots: int = 2,
-    chunk_alignment: int = ENTRY_ALIGNMENT,
+    chunk_alignment: int | Sequence[int] = ENTRY_ALIGNMENT,
     aliased_own_chunk: bool = False,
     non_target_bytes: int = 0,
 ) -> MemoryAccount:
     """Per-rank memory of sharding layers of these |T| (as laid out: a multiple of 16·N) across N ranks.
 
-    Each chunk C = |T|/N is padded to `chunk_alignment`. Copy path: a slot is N·max C; aliased own
-    chunk: (N−1)·max C. Received per forward: (N−1)·Σ C.
+    Each chunk C = |T|/N is padded to `chunk_alignment` (one for every layer, or one per layer: a target's and its
+    draft's layers, converted apart, gathered by one runtime). Copy path: a slot is N·max C; aliased own
+    chunk: (N−1)·max C. Received per forward: (N−1)·Σ C. `MemoryAccount.chunk_alignment` is the largest.
 
     >>> a = account_layers([8192, 8192], world_size=4)
     >>> a.local_chunk_bytes, a.slot_bytes, a.saved_bytes
@@ -105,12 +107,14 @@ def account_layers(
     >>> account_layers([8192] * 2, world_size=4, chunk_alignment=4096, aliased_own_chunk=True).padding_bytes
     16384
     """
-    if world_size < 1 or num_slots < 1 or chunk_alignment < 1:
-        raise ValueError(f"world_size, num_slots and chunk_alignment must be >= 1, got "
-                         f"{world_size}, {num_slots}, {chunk_alignment}")
+    alignments = ([chunk_alignment] * len(layer_bytes) if isinstance(chunk_alignment, int)
+                  else list(chunk_alignment))
+    if world_size < 1 or num_slots < 1 or min(alignments, default=1) < 1 or len(alignments) != len(layer_bytes):
+        raise ValueError(f"world_size, num_slots and chunk_alignment must be >= 1 (one alignment, or one per layer), "
+                         f"got {world_size}, {num_slots}, {chunk_alignment}")
     n = world_size
     chunks = [t // n for t in layer_bytes]
-    padded = [align_up(c, chunk_alignment) for c in chunks]
+    padded = [align_up(c, a) for c, a in zip(chunks, alignments)]
     max_c = max(padded, default=0)
     lanes = n - 1 if aliased_own_chunk else n
     slots = min(num_slots, len(chunks)) * lanes * max_c
@@ -122,7 +126,7 @@ def account_layers(
         num_slots=num_slots,
         num_layers=len(chunks),
         aliased_own_chunk=aliased_own_chunk,
-        chunk_alignment=chunk_alignment,
+        chunk_alignment=max(alignments, default=ENTRY_ALIGNMENT),
         sharded_bytes=total,
         max_layer_bytes=max(layer_bytes, default=0),
         local_chunk_bytes=local,
@@ -154,11 +158,17 @@ def account(manifest: Manifest, non_target_bytes: int = 0, num_slots: int = 2, *
                           non_target_bytes=non_target_bytes)
 
 
-def draft_account(manifest: Manifest, num_slots: int = 2, *, aliased_own_chunk: bool = False) -> dict[str, Any] | None:
+def draft_account(manifest: Manifest, num_slots: int = 2, *, aliased_own_chunk: bool = False,
+                  target: Manifest | None = None) -> dict[str, Any] | None:
     """What sharding the draft's layers adds to sharding the target's, per rank; None without a draft.
 
     The draft's layers gather into the target's slots, so they add their chunks and, only where a draft layer is
-    larger than every target layer, slot bytes: `saved_bytes` is the draft's R − R/N less that.
+    larger than every target layer, slot bytes: `saved_bytes` is the draft's R − R/N less that; `target_saved_bytes`
+    what the target's layers save alone. An MTP draft's target is the rest of its manifest. A draft model from its
+    own checkpoint (DFlash, EAGLE-3: every layer of `manifest`) is counted beside `target`, its target's manifest,
+    when given; without it its target is not known: the figures assume the target's slots hold the draft's largest
+    layer (`max_layer_bytes`; it adds its chunks alone), `target_saved_bytes` is None, and `own_slots_saved_bytes`
+    is what it would save gathered into slots of its own.
 
     >>> from shardprep.manifests import plan_layer, TensorSpec, LayerRecord, Manifest
     >>> from shardprep.manifests.draft_layers import DraftLayers
@@ -169,15 +179,61 @@ def draft_account(manifest: Manifest, num_slots: int = 2, *, aliased_own_chunk: 
     >>> d["sharded_bytes"], d["resident_bytes"], d["saved_bytes"]
     (8192, 2048, 6144)
     """
-    if manifest.draft is None:
+    draft = manifest.draft
+    if draft is None:
         return None
+    if draft.is_model:
+        return _draft_model_account(manifest, num_slots, aliased_own_chunk, target)
     whole = account(manifest, num_slots=num_slots, aliased_own_chunk=aliased_own_chunk)
-    target = account(manifest.without_draft(), num_slots=num_slots, aliased_own_chunk=aliased_own_chunk)
-    return {"kind": manifest.draft.kind, "layers": list(manifest.draft.layers),
-            "sharded_bytes": whole.sharded_bytes - target.sharded_bytes,
-            "resident_bytes": whole.resident_bytes - target.resident_bytes,
-            "saved_bytes": whole.saved_bytes - target.saved_bytes,
-            "target_saved_bytes": target.saved_bytes}
+    alone = account(manifest.without_draft(), num_slots=num_slots, aliased_own_chunk=aliased_own_chunk)
+    return {"kind": draft.kind, "layers": list(draft.layers),
+            "sharded_bytes": whole.sharded_bytes - alone.sharded_bytes,
+            "resident_bytes": whole.resident_bytes - alone.resident_bytes,
+            "saved_bytes": whole.saved_bytes - alone.saved_bytes,
+            "target_saved_bytes": alone.saved_bytes}
+
+
+def _draft_model_account(manifest: Manifest, num_slots: int, aliased_own_chunk: bool,
+                         target: Manifest | None) -> dict[str, Any]:
+    draft = manifest.draft
+    assert draft is not None and draft.target is not None
+    own = account(manifest, num_slots=num_slots, aliased_own_chunk=aliased_own_chunk)
+    facts = {"kind": draft.kind, "layers": list(draft.layers), "target": draft.target.record(),
+             "max_layer_bytes": own.max_layer_bytes, "own_slots_saved_bytes": own.saved_bytes}
+    if target is None:
+        return {**facts, "sharded_bytes": own.sharded_bytes, "resident_bytes": own.local_chunk_bytes,
+                "saved_bytes": own.sharded_bytes - own.local_chunk_bytes, "target_saved_bytes": None}
+    n = manifest.world_size
+    if target.world_size != n:
+        raise ShardprepError(f"the draft was converted for {n} ranks and its target for {target.world_size}: a draft "
+                             "gathers with its target, so convert both for the same N (or `shardprep reshard` one)")
+    target_bytes = [unaligned_total_bytes(r.entries, n) for r in target.layers]
+    draft_bytes = [unaligned_total_bytes(r.entries, n) for r in manifest.layers]
+    return {**facts, **draft_saving(target_bytes, target.chunk_alignment, draft_bytes, manifest.chunk_alignment, n,
+                                    num_slots=num_slots, aliased_own_chunk=aliased_own_chunk)}
+
+
+def draft_saving(target_bytes: Sequence[int], target_alignment: int, draft_bytes: Sequence[int], draft_alignment: int,
+                 world_size: int, *, num_slots: int = 2, aliased_own_chunk: bool = False) -> dict[str, int]:
+    """What a draft model's layers of these |T| add per rank, gathered in the slots of a target's layers of these
+    |T| (each converted with its own chunk alignment): `sharded_bytes`, `resident_bytes` (its chunks, and slot bytes
+    only where its largest layer is larger than the target's), `saved_bytes`, and `target_saved_bytes`.
+
+    >>> d = draft_saving([8192] * 3, 16, [4096], 16, 4)
+    >>> d["resident_bytes"], d["saved_bytes"], d["target_saved_bytes"]
+    (1024, 3072, 2048)
+    >>> draft_saving([4096] * 3, 16, [8192], 16, 4)["resident_bytes"]  # its layer is larger: the slots grow
+    10240
+    """
+    sizes = [*target_bytes, *draft_bytes]
+    alignments = [target_alignment] * len(target_bytes) + [draft_alignment] * len(draft_bytes)
+    both = account_layers(sizes, world_size, num_slots=num_slots, chunk_alignment=alignments,
+                          aliased_own_chunk=aliased_own_chunk)
+    alone = account_layers(target_bytes, world_size, num_slots=num_slots, chunk_alignment=target_alignment,
+                           aliased_own_chunk=aliased_own_chunk)
+    return {"sharded_bytes": both.sharded_bytes - alone.sharded_bytes,
+            "resident_bytes": both.resident_bytes - alone.resident_bytes,
+            "saved_bytes": both.saved_bytes - alone.saved_bytes, "target_saved_bytes": alone.saved_bytes}
 
 
 def unaligned_total_bytes(entries: Sequence[Entry], world_size: int) -> int:

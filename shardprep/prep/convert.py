@@ -21,7 +21,7 @@ from .convert_plan import ConvertPlan, make_plan, parse_chunk_alignment
 from .header_source import open_headers
 from .output_dir import check_output_dir, staged_output
 from .requant_jobs import RequantOptions
-from .selection import DEFAULT_LAYER_PATTERN, DEFAULT_LAYERS, Selection, load_preset, parse_layers
+from .selection import make_selection
 from .source import open_source
 from .writer import Progress, output_bytes, write_plan
 
@@ -61,6 +61,8 @@ class ConvertSummary:
     dry_run: bool = False
     plan: dict[str, Any] = field(default_factory=dict)
     fetched_bytes: int | None = None  # a dry run of a hub id: what its headers cost to fetch
+    preset: str | None = None  # the preset applied: --preset's, or a draft checkpoint's own (make_selection)
+    draft: dict[str, Any] | None = None  # the manifest's draft record (DraftLayers.record), None without a draft
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SUMMARY_SCHEMA, **asdict(self)}
@@ -73,7 +75,7 @@ def convert(
     *,
     targets: Sequence[str] = (),
     preset: str | None = None,
-    layers: str = DEFAULT_LAYERS,
+    layers: str | None = None,
     layer_pattern: str | None = None,
     revision: str | None = None,
     copy_mode: CopyMode | str = CopyMode.AUTO,
@@ -87,7 +89,9 @@ def convert(
 
     With `dry_run` a hub id is read from its headers alone (`header_source.py`), nothing downloaded.
     `requant` holds the block-FP8 options (default: requantize to UE8M0 where needed, the SGLang
-    recipe). `chunk_alignment` is "auto", "none" or a size such as "2MiB" (see docs/format.md). With
+    recipe). `chunk_alignment` is "auto", "none" or a size such as "2MiB" (see docs/format.md). A draft model's
+    own checkpoint (DFlash, EAGLE-3) gets its preset without `preset` or `targets`, and every layer without
+    `layers` (else `1-`): `selection.make_selection`. With
     `dry_run` nothing is written: the summary says what would be. OUT is replaced atomically, under a
     lock, only when it is empty or (with `overwrite`) a shardprep output, and only when the parent's
     filesystem has room for what the plan writes; see docs/reliability.md.
@@ -101,12 +105,8 @@ def convert(
     ckpt = open_headers(src, revision) if dry_run else open_source(src, revision)
     if not dry_run:
         check_output_dir(out, [ckpt.root], overwrite)  # early, before planning; again under the lock
-    selection = Selection(
-        targets=tuple(targets),
-        preset=load_preset(preset) if preset else None,
-        layers=parse_layers(layers),
-        layer_pattern=layer_pattern or DEFAULT_LAYER_PATTERN,
-    )
+    selection = make_selection(ckpt.config, targets=targets, preset=preset, layers=layers,
+                               layer_pattern=layer_pattern)
     plan = make_plan(ckpt, ranks, selection, requant, chunk_alignment)
     if dry_run:
         return _summary(out, plan, t0, dry_run=True)
@@ -163,4 +163,6 @@ def _summary(out: Path, plan: ConvertPlan, t0: float, *, dry_run: bool = False, 
         dry_run=dry_run,
         plan=plan.describe() if dry_run else {},
         fetched_bytes=plan.source.fetched_bytes() if plan.source.fetched_bytes else None,
+        preset=plan.selection.preset.name if plan.selection.preset else None,
+        draft=plan.draft.record() if plan.draft else None,
     )

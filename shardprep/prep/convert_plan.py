@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import LayoutError, SourceError
-from ..manifests.draft_layers import DraftLayers, draft_of_config
+from ..errors import LayoutError, SelectionError, SourceError
+from ..manifests.draft_layers import DraftLayers, draft_of_config, draft_tensor_problem
 from ..manifests.layout import (
     NO_CHUNK_ALIGNMENT,
     LayerLayout,
@@ -29,7 +29,7 @@ from ..manifests.rank_file import header_json_bytes, plan_rank_file, rank_file_n
 from ..manifests.replicated import NOTICE_FILE, NOTICE_TENSOR, SHARDED_SENTINEL
 from ..planning.accounting import ZERO_COPY_MIN_ALIGNMENT
 from .requant_jobs import RequantOptions, RequantPlan, plan_requant
-from .selection import Selection, TargetPlan, select_targets
+from .selection import Selection, TargetPlan, draft_preset_hint, select_targets
 from .source import INDEX_NAME, SINGLE_NAME, SourceCheckpoint
 
 # What `--chunk-alignment auto` tries: the CUDA virtual-memory mapping granularity the zero-copy runtime
@@ -123,7 +123,8 @@ class ConvertPlan:
     requant_options: RequantOptions = field(default_factory=RequantOptions)
     draft: DraftLayers | None = None
     """The sharded layers that are a draft model's: the checkpoint's MTP layers (config.json's
-    `num_nextn_predict_layers` after `num_hidden_layers`) that the selection shards."""
+    `num_nextn_predict_layers` after `num_hidden_layers`) that the selection shards, or every layer of a draft
+    model's own checkpoint (DFlash, EAGLE-3), with its target's facts (draft_layers.draft_of_config)."""
 
     @property
     def layouts(self) -> tuple[LayerLayout, ...]:
@@ -245,7 +246,15 @@ def make_plan(ckpt: SourceCheckpoint, world_size: int, selection: Selection,
     alignment = parse_chunk_alignment(chunk_alignment)
     options = requant or RequantOptions()
     _check_name_clashes(ckpt)
-    targets = select_targets(ckpt.tensors, selection)
+    try:
+        targets = select_targets(ckpt.tensors, selection)
+    except SelectionError as exc:
+        hint = draft_preset_hint(ckpt.config, selection)
+        raise SelectionError(f"{exc}; {hint}" if hint else str(exc)) from None
+    draft = draft_of_config(ckpt.config, targets.layers)
+    problem = draft and draft_tensor_problem(draft, {name: t.shape for name, t in ckpt.tensors.items()})
+    if problem:
+        raise SourceError(f"{ckpt.root}: {problem}")
     requant_plan = plan_requant(ckpt, targets.names, options)
     rewritten = requant_plan.specs() if requant_plan else {}
 
@@ -273,7 +282,7 @@ def make_plan(ckpt: SourceCheckpoint, world_size: int, selection: Selection,
             replicated.append(ReplicatedFile(name, tuple(spec(t) for t in keep), out_name))
     other = tuple(rel for rel in ckpt.other_files if rel != INDEX_NAME)
     return ConvertPlan(ckpt, world_size, selection, targets, requant_plan, rewritten, rank_layout,
-                       tuple(replicated), other, options, draft_of_config(ckpt.config, targets.layers))
+                       tuple(replicated), other, options, draft)
 
 
 def lay_out(layers: list[tuple[int, list[TensorSpec]]], targets: TargetPlan, world_size: int,

@@ -11,7 +11,10 @@ machine (`shardprep profile`) or only a link bandwidth:
 - the shard groups: with `--dp W` on nodes of `--gpus-per-node G`, W/N groups of N consecutive ranks,
   N = `--ranks` or, without it, the largest group size that divides W and fits a node;
 - the routed experts a GPU holds with `--ep E` (expert_parallel.py): 1/E of them, apart from the replicated part;
-- a one-line verdict (`crosses nodes` when a group of N would span nodes).
+- a one-line verdict (`crosses nodes` when a group of N would span nodes);
+- with `--draft DRAFT` (a DFlash or EAGLE-3 draft's checkpoint or converted directory), what sharding the draft
+  adds beside the target's chosen layers, apart and together (accounting.draft_saving); a draft that cannot serve
+  beside this target is refused in one line (draft_layers.target_mismatch).
 
 No torch: the measuring is `shardprep profile`'s job.
 """
@@ -25,13 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ProfileError, ShardprepError
-from ..manifests.draft_layers import mtp_layers
+from ..manifests.draft_layers import DraftLayers, draft_kind, mtp_layers, target_mismatch
 from ..manifests.layout import align_up
 from ..manifests.manifest import MANIFEST_NAME, load_manifest
 from ..manifests.shard_groups import DEFAULT_GPUS_PER_NODE, GroupFit, group_size_problem, largest_node_local_group
 from ..planning.accounting import (
     MemoryAccount,
     account_layers,
+    draft_saving,
     human_bytes,
     unaligned_total_bytes,
     zero_copy_applies,
@@ -42,7 +46,7 @@ from ..planning.kv_cache import KvCacheShape, kv_cache_shape
 from ..planning.layer_choice import LayerChoice, Predict, choose_layers, evaluate, least_overhead
 from ..planning.profile_format import Profile, load_profile
 from ..planning.step_time import StepPrediction, StepSchedule, predict_step, schedule_step
-from .selection import DEFAULT_LAYER_PATTERN, Selection, format_layers, load_preset, parse_layers
+from .selection import format_layers, make_selection, parse_layers
 from .target_kinds import bytes_by_kind, kind_totals
 
 PLAN_SCHEMA = "shardprep/plan/1"
@@ -88,6 +92,8 @@ class PlanRequest:
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE
     ep: int = 1
     tp: int = 1
+    draft: str | None = None
+    """A DFlash or EAGLE-3 draft to serve beside the target: its checkpoint (local or hub id) or converted directory."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,9 @@ class PlanReport:
     num_slots: int = 2
     fetched_bytes: int | None = None
     """A hub id, read from its headers alone: the bytes fetched from the hub (None: a local source)."""
+    draft: dict[str, Any] | None = None
+    """With `--draft`: the draft model's record (kind, layers, target facts) and what it adds beside the shown
+    layers (accounting.draft_saving), with `together_saved_bytes`; None without."""
 
     @property
     def kinds(self) -> dict[str, dict[str, int]]:
@@ -175,6 +184,7 @@ class PlanReport:
             "verdict": self.verdict.value,
             "verdict_line": self.verdict_line,
             "notes": list(self.notes),
+            "draft": self.draft,
         }
 
 
@@ -210,6 +220,11 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     check_tensor_parallel(request.tp)
     check_expert_parallel(request.ep, fit.world_size)
     model = _read_model(request, n)
+    kind = draft_kind(model.config)
+    if kind is not None:
+        raise ShardprepError(f"{request.source} is a {kind} draft model's: plan weighs a target's layers; plan its "
+                             f"target with --draft {request.source}")
+    beside = _read_draft(request, n, model.config) if request.draft else None
     experts = expert_shard(model.tensor_bytes, request.ep)
     alignment = model.chunk_alignment
     aliased = zero_copy_applies(alignment)
@@ -307,7 +322,12 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
                      tuple(profile.layers[i].compute_ms[ti] for ti in token_index) if profile else (),
                      model.kinds.get(i, {}))
             for i in range(model_layers)]
+    if beside is not None:
+        notes.append(f"the draft ({request.draft}) is counted beside the {len(shown.layers)} layers shown; "
+                     "the step-time model weighs the target's layers alone (the draft runs after them)")
     return PlanReport(
+        draft=None if beside is None else _draft_beside(beside, [model.sizes[i] for i in shown.layers], alignment, n,
+                                                        request.num_slots, aliased),
         source=request.source, kind=model.kind, ranks=n, model_layers=model_layers, candidates=candidates,
         tokens=tokens, rows=rows, slot_model=slot_model, every_layer=every, chosen=chosen, capacity=cap,
         verdict=verdict, verdict_line=line, groups=fit, experts=experts, kv=kv, pays_from_tokens=pays_from,
@@ -323,6 +343,59 @@ def _draft_note(draft: tuple[int, ...], sizes: dict[int, int]) -> str:
     return (f"layer{'s' if len(draft) > 1 else ''} {layers}: the MTP draft's (config.json's num_nextn_predict_layers, "
             f"|T| {human_bytes(sum(sizes[i] for i in draft))}), not planned with the target's layers and left out of "
             f"--layers; add {layers} to shard the draft too (its gathers hide behind the target's last layer)")
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """A draft model to serve beside the target: its record, |T| per layer at N, and its chunk alignment."""
+
+    record: DraftLayers
+    sizes: tuple[int, ...]
+    chunk_alignment: int
+
+
+def _read_draft(request: PlanRequest, n: int, target_config: dict[str, Any] | None) -> _Draft:
+    """The draft `--draft` names (a converted directory, or a checkpoint read as convert would lay it out at N, with
+    its own preset and every layer), refused in one line unless it is a draft model that fits this target."""
+    assert request.draft is not None
+    root = Path(request.draft)
+    not_a_draft = ShardprepError(f"--draft {request.draft}: not a DFlash or EAGLE-3 draft model (its config.json's "
+                                 "architectures, or its manifest's draft record, says none); an MTP draft is planned "
+                                 "with its target's own checkpoint")
+    if (root / MANIFEST_NAME).is_file():
+        manifest = load_manifest(root)
+        sizes = tuple(unaligned_total_bytes(r.entries, n) for r in manifest.layers)
+        alignment = request.chunk_alignment or manifest.chunk_alignment
+    else:
+        from .convert_plan import make_plan
+        from .header_source import open_headers
+        from .requant_jobs import RequantOptions
+
+        ckpt = open_headers(request.draft, request.revision)
+        if draft_kind(ckpt.config) is None:
+            raise not_a_draft
+        plan = make_plan(ckpt, n, make_selection(ckpt.config), RequantOptions(mode="none"),
+                         chunk_alignment=request.chunk_alignment or "auto")
+        manifest = plan.skeleton_manifest()
+        sizes = tuple(unaligned_total_bytes(lay.entries, n) for lay in plan.layouts)
+        alignment = plan.chunk_alignment
+    if manifest.draft is None or not manifest.draft.is_model:
+        raise not_a_draft
+    mismatch = target_mismatch(manifest.draft, target_config)
+    if mismatch is not None:
+        raise ShardprepError(f"--draft {request.draft} cannot serve beside {request.source}: {mismatch}")
+    return _Draft(manifest.draft, sizes, alignment)
+
+
+def _draft_beside(draft: _Draft, target_sizes: list[int], target_alignment: int, n: int, num_slots: int,
+                  aliased: bool) -> dict[str, Any]:
+    """The draft's record and what it adds beside these target layers (accounting.draft_saving), and both together."""
+    saving = draft_saving(target_sizes, target_alignment, draft.sizes, draft.chunk_alignment, n, num_slots=num_slots,
+                          aliased_own_chunk=aliased)
+    record = draft.record.record()
+    return {"kind": record["kind"], "layers": record["layers"], "target": record["target"],
+            "max_layer_bytes": max(draft.sizes), **saving,
+            "together_saved_bytes": saving["saved_bytes"] + saving["target_saved_bytes"]}
 
 
 def _shard_groups(request: PlanRequest) -> GroupFit:
@@ -441,9 +514,8 @@ def _read_checkpoint(request: PlanRequest, n: int) -> _Model:
     from .requant_jobs import RequantOptions
 
     ckpt = open_headers(request.source, request.revision)  # a hub id by HTTP range: no snapshot download
-    selection = Selection(targets=request.targets, preset=load_preset(request.preset) if request.preset else None,
-                          layers=parse_layers(request.layers),
-                          layer_pattern=request.layer_pattern or DEFAULT_LAYER_PATTERN)
+    selection = make_selection(ckpt.config, targets=request.targets, preset=request.preset, layers=request.layers,
+                               layer_pattern=request.layer_pattern)
     # Laid out as convert would for this N (its chunk alignment too, `auto` unless given). Without the requant:
     # it keeps every size (scales stay F32 unless --scale-format says otherwise) and deciding it reads scales.
     plan = make_plan(ckpt, n, selection, RequantOptions(mode="none"),

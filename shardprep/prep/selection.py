@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import IntegrityError, SelectionError
+from ..manifests.draft_layers import DFLASH, DRAFT_ARCHITECTURES, EAGLE3, KIND_NAMES, draft_kind
 from ..manifests.layout import FusedGroup
-from ..manifests.strict_json import parse_json, read_json_file
+from ..manifests.strict_json import is_int, parse_json, read_json_file
 
 # A preset lists globs; a larger file is not a preset.
 MAX_PRESET_BYTES = 1 << 20
@@ -23,6 +24,12 @@ DEFAULT_LAYER_PATTERN = r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\."
 # Layer 0 is left replicated by default: its compute is what hides the gather of layer 1, and in
 # DeepSeek/Kimi-style models it is the dense layer.
 DEFAULT_LAYERS = "1-"
+DRAFT_LAYERS = "all"
+"""A draft model's own checkpoint shards every layer by default: no layer of its own hides its first layer's
+gather, the target's last layer does (the draft runs after it)."""
+DRAFT_PRESETS = {DFLASH: "dflash", EAGLE3: "eagle3"}
+"""The shipped preset of each kind of draft model (draft_layers.draft_kind, from config.json's architectures)."""
+MAX_LAYER_INDEX = 1_000_000_000  # the manifest schema's largest layer number
 QUANTIZED_WEIGHTS = ("weight_packed",)
 """What quantized checkpoints name a module's weight where it is not `weight`, as their servers read it:
 compressed-tensors' pack-quantized and nvfp4-pack-quantized formats (`weight_packed`: int4 or FP4 values packed
@@ -79,6 +86,9 @@ class Preset:
     description: str = ""
     checked_with: tuple[CheckedWith, ...] = ()
     """Where outputs of this preset were served and checked; empty: nowhere (e.g. a user's own preset)."""
+    unnumbered_layers: tuple[tuple[str, int], ...] = ()
+    """Layers whose tensors carry a name instead of a number, and the index each takes (the preset's
+    `unnumbered_layers`, e.g. EAGLE-3's `midlayer.` as layer 0, where vLLM loads it)."""
 
     @property
     def globs(self) -> tuple[str, ...]:
@@ -150,21 +160,28 @@ class Selection:
     preset: Preset | None = None
     layers: LayerSet = field(default_factory=LayerSet)
     layer_pattern: str = DEFAULT_LAYER_PATTERN
+    unnumbered_layers: tuple[tuple[str, int], ...] = ()
+    """Layers named instead of numbered, and their index (the preset's `unnumbered_layers`; see `layer_index`)."""
 
     def record(self) -> dict[str, Any]:
-        """The manifest's `selection` record: the preset's name and globs, the --target globs, the layer range
-        and the layer pattern.
+        """The manifest's `selection` record: the preset's name and globs, the --target globs, the layer range,
+        the layer pattern, and the unnumbered layers where there are some (so every other record keeps its bytes).
 
         >>> Selection(targets=("*.q_proj.weight",)).record()["layers"]
         '1-'
+        >>> Selection(targets=("midlayer.*",), unnumbered_layers=(("midlayer", 0),)).record()["unnumbered_layers"]
+        {'midlayer': 0}
         """
-        return {
+        record: dict[str, Any] = {
             "preset": self.preset.name if self.preset else None,
             "preset_targets": list(self.preset.targets) if self.preset else [],
             "targets": list(self.targets),
             "layers": str(self.layers),
             "layer_pattern": self.layer_pattern,
         }
+        if self.unnumbered_layers:
+            record["unnumbered_layers"] = dict(self.unnumbered_layers)
+        return record
 
 
 @dataclass(frozen=True)
@@ -248,6 +265,48 @@ def format_layers(layers: Iterable[int], num_layers: int | None = None) -> str:
     return ",".join(str(s) for s in spans)
 
 
+def make_selection(config: Mapping[str, Any] | None, *, targets: Sequence[str] = (), preset: str | None = None,
+                   layers: str | None = None, layer_pattern: str | None = None) -> Selection:
+    """What convert and plan apply to a checkpoint with this config.json, from their options.
+
+    A draft model's own checkpoint (config.json's architectures: DFlashDraftModel, LlamaForCausalLMEagle3) gets
+    its kind's shipped preset (DRAFT_PRESETS) when neither `preset` nor `targets` is given, since its loader fixes
+    its names and fused parameters, and every layer (DRAFT_LAYERS) when `layers` is not given; any other model
+    `1-` (DEFAULT_LAYERS). A preset's `unnumbered_layers` come with it.
+
+    >>> s = make_selection({"architectures": ["LlamaForCausalLMEagle3"]})
+    >>> s.preset.name, str(s.layers), s.unnumbered_layers
+    ('eagle3', '0-', (('midlayer', 0),))
+    >>> str(make_selection({"architectures": ["LlamaForCausalLM"]}, preset="llama").layers)
+    '1-'
+    """
+    kind = draft_kind(config)
+    if preset is None and not targets and kind is not None:
+        preset = DRAFT_PRESETS[kind]
+    chosen = load_preset(preset) if preset else None
+    default = DRAFT_LAYERS if kind is not None else DEFAULT_LAYERS
+    return Selection(targets=tuple(targets), preset=chosen, layers=parse_layers(default if layers is None else layers),
+                     layer_pattern=layer_pattern or DEFAULT_LAYER_PATTERN,
+                     unnumbered_layers=chosen.unnumbered_layers if chosen else ())
+
+
+def draft_preset_hint(config: Mapping[str, Any] | None, selection: Selection | None = None) -> str | None:
+    """For a draft model's own checkpoint selected without its preset, the preset to use, as the end of a
+    message; None for any other model, or when `selection` already has that preset.
+
+    >>> draft_preset_hint({"architectures": ["LlamaForCausalLMEagle3"]})
+    "config.json's architectures is LlamaForCausalLMEagle3, an EAGLE-3 draft: use --preset eagle3 (or no --preset)"
+    """
+    kind = draft_kind(config)
+    if kind is None or config is None or (selection and selection.preset
+                                          and selection.preset.name == DRAFT_PRESETS[kind]):
+        return None
+    arch = next(a for a in config["architectures"] if DRAFT_ARCHITECTURES.get(a) == kind)
+    name = KIND_NAMES[kind]
+    return (f"config.json's architectures is {arch}, {'an' if name[0] in 'AEIOU' else 'a'} {name} draft: use "
+            f"--preset {DRAFT_PRESETS[kind]} (or no --preset)")
+
+
 def builtin_presets() -> list[str]:
     """Names of the presets shipped in the package.
 
@@ -315,10 +374,15 @@ def _preset_from_json(data: object, where: str, default_name: str) -> Preset:
     unknown = sorted(set(data) - _PRESET_KEYS)
     if unknown:
         raise bad(f"unknown key {unknown[0]!r}; a preset has {', '.join(sorted(_PRESET_KEYS))}")
-    return Preset(name, tuple(targets), tuple(rules), description, _checked_with(data.get("checked_with", []), bad))
+    unnumbered = data.get("unnumbered_layers", {})
+    if not isinstance(unnumbered, dict) or not all(
+            isinstance(k, str) and k and is_int(v) and 0 <= v <= MAX_LAYER_INDEX for k, v in unnumbered.items()):
+        raise bad("'unnumbered_layers' must map names (such as \"midlayer\") to layer numbers")
+    return Preset(name, tuple(targets), tuple(rules), description, _checked_with(data.get("checked_with", []), bad),
+                  tuple(unnumbered.items()))
 
 
-_PRESET_KEYS = {"name", "description", "targets", "fused", "checked_with"}
+_PRESET_KEYS = {"name", "description", "targets", "fused", "checked_with", "unnumbered_layers"}
 _FUSED_KEYS = {"name", "members", "pad_rows_to"}
 _CHECKED_WITH_KEYS = {"server", "mode", "test"}
 
@@ -356,12 +420,21 @@ def recorded_preset_checks(record: Mapping[str, Any] | None) -> tuple[CheckedWit
     return preset.checked_with if record.get("preset_targets") == list(preset.targets) else None
 
 
-def layer_index(name: str, pattern: re.Pattern[str]) -> int | None:
+def layer_index(name: str, pattern: re.Pattern[str], unnumbered: Sequence[tuple[str, int]] = ()) -> int | None:
     """Layer index read from a tensor name, or None for tensors outside any layer.
+
+    `unnumbered` names layers that have no number in their tensors' names (`P.`, at the start or after a dot, as
+    the layer pattern reads `layers.N.`), with the index each takes: EAGLE-3's one decoder layer is `midlayer.`,
+    which vLLM loads as its layer 0.
 
     >>> layer_index("model.layers.12.mlp.up_proj.weight", re.compile(DEFAULT_LAYER_PATTERN))
     12
+    >>> layer_index("midlayer.self_attn.q_proj.weight", re.compile(DEFAULT_LAYER_PATTERN), [("midlayer", 0)])
+    0
     """
+    named = _unnumbered_index(name, unnumbered)
+    if named is not None:
+        return named
     m = pattern.search(name)
     if not m:
         return None
@@ -370,6 +443,13 @@ def layer_index(name: str, pattern: re.Pattern[str]) -> int | None:
     except (TypeError, ValueError):
         raise SelectionError(f"--layer-pattern {pattern.pattern!r} captured {m.group(1)!r} in tensor {name!r}, "
                              "which is not a layer number; capture digits only") from None
+
+
+def _unnumbered_index(name: str, unnumbered: Sequence[tuple[str, int]]) -> int | None:
+    for prefix, index in unnumbered:
+        if name.startswith(prefix + ".") or f".{prefix}." in name:
+            return index
+    return None
 
 
 def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:
@@ -409,13 +489,21 @@ def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:
         chosen.update(hits)
 
     layers: dict[int, list[str]] = {}
+    named: dict[int, str] = {}  # a layer whose targets carry a name instead of a number: its first target
+    numbered: dict[int, str] = {}
+    unnumbered = selection.unnumbered_layers
     for name in sorted(chosen):
-        idx = layer_index(name, pattern)
+        idx = layer_index(name, pattern, unnumbered)
         if idx is None:
             raise SelectionError(
                 f"target {name!r} is not inside a layer (no match for {selection.layer_pattern!r}); "
                 "narrow the glob or pass --layer-pattern"
             )
+        (named if _unnumbered_index(name, unnumbered) is not None else numbered).setdefault(idx, name)
+        if idx in named and idx in numbered:
+            raise SelectionError(f"targets {named[idx]!r} and {numbered[idx]!r} would both be layer {idx}: the "
+                                 "preset's unnumbered_layers gives that number to a layer with a name, and the "
+                                 "checkpoint has a layer of that number too")
         if idx in selection.layers:
             layers.setdefault(idx, []).append(name)
     if not layers:

@@ -228,7 +228,8 @@ def _recorded_selection(record: dict) -> tuple[Selection, bool]:
         rules_known = builtin is not None and builtin.targets == globs
         preset = Preset(record["preset"], globs, builtin.fused if builtin and rules_known else ())
     return Selection(targets=tuple(record["targets"]), preset=preset, layers=parse_layers(record["layers"]),
-                     layer_pattern=record["layer_pattern"]), rules_known
+                     layer_pattern=record["layer_pattern"],
+                     unnumbered_layers=tuple(record.get("unnumbered_layers", {}).items())), rules_known
 
 
 def _check_fused_groups(m: Manifest, name: str, plan: TargetPlan, report: ValidationReport) -> None:
