@@ -16,27 +16,46 @@ directory in one process never see each other's.
 
 The draft's layers are gathered in the target's group and slots: the target's last layer's wait dispatches the
 draft's first gather (it hides behind that layer), and every rank issues them in the same order, per target forward.
+
+A draft model from its own checkpoint (DFlash, EAGLE-3: `DraftLayers.is_model`, converted for the same N) has rank
+files of its own: each rank's chunks of the draft follow its chunks of the target in one buffer (`joined_shards`;
+the draft's layers renumbered after the target's, their names unchanged), and the target's binding moves onto a
+gatherer over both (`Binding.rehome`). A server copying a draft's weights at load (DFlash's fused K/V projection of
+every layer, used before the draft's first layer runs) copies the gathered weights (`ServerAdapter.
+copy_draft_weights_at_load`), so the draft computes what full mode computes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import ShardprepError
+from ..loader.rank_shards import RankShards, open_rank
+from ..manifests.draft_layers import target_mismatch
+from ..manifests.layout import align_up
+from ..manifests.manifest import Manifest
+from ..manifests.strict_json import read_json_file
 from ..planning.accounting import draft_account
-from ..runtime.binding import Binding, bind_draft, draft_layers
+from ..runtime.binding import Binding, BoundLayer, bind_draft, draft_layers
+from ..runtime.gatherer import LayerGatherer
+from ..runtime.views import layer_views
 from .load_options import ShardprepLoadOptions
-from .processed_layers import PlaceholderGatherer, ProcessedLayers, process_draft_layers
+from .processed_layers import PlaceholderGatherer, ProcessedLayers, gather_in_place, process_draft_layers
 from .server import Built, ServerAdapter
 from .sharded_load import (
     ShardedLoad,
     bound_later,
     check_built_were_bound,
     keep_bound_modules_plain,
+    layer_name_parts,
     load_replicated,
     serving_manifest,
 )
@@ -60,9 +79,10 @@ def target_for(deployment: object) -> ShardedLoad | None:
 class DraftLoad:
     """One rank's sharded-mode load of a draft model, after its target's (`ShardedLoad` with a deployment).
 
-    The draft's layers in the target's manifest (an MTP layer, `manifest.draft`) are bound to the draft model's
-    modules (`adapter.draft_layer_modules`) and gathered after the target's layers; everything else of the draft
-    comes from the replicated part. A manifest that shards no draft layer has the draft loaded whole.
+    The draft's layers in the target's manifest (an MTP layer, `manifest.draft`), or those of the draft's own
+    output (a draft model: DIR is the draft's directory), are bound to the draft model's modules
+    (`adapter.draft_layer_modules`) and gathered after the target's layers; everything else of the draft comes
+    from the replicated part. A manifest that shards no draft layer has the draft loaded whole.
 
     >>> load = DraftLoad(adapter, "out/", options, vllm_config.speculative_config)  # doctest: +SKIP
     >>> draft = load.build(lambda: build_the_draft())  # doctest: +SKIP
@@ -78,12 +98,12 @@ class DraftLoad:
         self.binding: Binding | None = None
         """The target's binding, now also the draft's (None: the draft was loaded whole)."""
         self.processed: ProcessedLayers | None = None
+        self._targets = bound_later(self.manifest, draft=True)
 
-    def build(self, construct: object) -> nn.Module:
+    def build(self, construct: Callable[[], nn.Module]) -> nn.Module:
         """The draft model `construct()` builds, its sharded layers' weights built without storage."""
-        is_target = bound_later(self.manifest, draft=True)
-        with self.adapter.targets_without_storage(lambda name: is_target(self.adapter.manifest_name(name))) as made:
-            model = construct()  # type: ignore[operator]
+        with self.adapter.targets_without_storage(self._is_target) as made:
+            model = construct()
         self.built = made
         return model
 
@@ -102,6 +122,8 @@ class DraftLoad:
         if target is None or target.binding is None or target.shards is None:
             raise ShardprepError(f"{directory}: the draft model was loaded before the target, or the target was not "
                                  "served sharded with its draft; shard_weights loads the target first")
+        if draft.is_model:
+            return self._load_draft_model(model, target)
         found = adapter.draft_layer_modules(model, draft.layers)
         if target.processed is None:
             bound = bind_draft(target.binding, found)
@@ -130,6 +152,126 @@ class DraftLoad:
         return self.binding
 
 
+    def _load_draft_model(self, model: nn.Module, target: ShardedLoad) -> Binding:
+        """A draft model converted from its own checkpoint, bound into the target's gatherer over a joined buffer."""
+        adapter, directory, manifest = self.adapter, self.directory, self.manifest
+        draft = manifest.draft
+        assert draft is not None and target.binding is not None and target.shards is not None
+        n, target_n = manifest.world_size, target.manifest.world_size
+        if n != target_n:
+            raise ShardprepError(f"{directory}: the draft was converted for {n} ranks and its target "
+                                 f"{target.directory} for {target_n}; convert the draft with --ranks {target_n} (or "
+                                 f"`shardprep reshard {directory} NEW --ranks {target_n}`)")
+        problem = target_mismatch(draft, _config(target.directory))
+        if problem is not None:
+            raise ShardprepError(f"{directory}: {problem}; serve it beside the target it was trained for")
+        if target.processed is not None:
+            raise ShardprepError(f"{directory}: the {draft.describe()} is sharded beside a target processed at load "
+                                 "(quantized), which is not supported yet; load the draft apart (the server's own "
+                                 "load format for the draft) or serve the target in full mode")
+        targets = {name: p for name, p in model.named_parameters() if self._is_target(name)}
+        adapter.refuse_unshardable(model, targets, str(directory))
+        binding = target.binding
+        own = open_rank(directory, binding.shards.rank, world_size=n, device=binding.shards.device,
+                        verify=self.options.verify, manifest=manifest)
+        offset = max(binding.gatherer.layers) + 1
+        joined = joined_shards(binding.shards, own, offset)
+        binding.rehome(joined, LayerGatherer(joined, group=binding.gatherer.group, backend="auto"))
+        target.shards = joined  # the target's first buffer goes with its gatherer
+        found = adapter.draft_layer_modules(model, draft.layers)
+        renamed = renumbered_names(manifest, offset)
+        bound = bind_draft(binding, {layer + offset: found[layer] for layer in draft.layers}, renamed)
+        ids = {id(param) for layer in bound for param, _ in layer.params}
+        keep_bound_modules_plain(adapter, model, ids, str(directory))
+        load_replicated(adapter, model, directory, manifest, self.options.verify, ids)
+        check_built_were_bound(self.built, model, binding.draft_parameters.values(), directory, "a draft target")
+        with whole_layers(bound, joined, binding.gatherer):
+            adapter.copy_draft_weights_at_load(model)
+        self.binding = binding
+        adapter.logger().info(model_draft_startup_line(binding, directory, manifest, target.manifest))
+        return binding
+
+    def _is_target(self, name: str) -> bool:
+        """Whether a draft model's parameter (by the model's name) is one of the draft's sharded layers."""
+        name = self.adapter.manifest_name(name)
+        if self.manifest.draft is not None and self.manifest.draft.is_model:
+            name = self.adapter.draft_manifest_name(name)
+        return self._targets(name)
+
+
+def _config(directory: str | Path) -> dict[str, Any] | None:
+    config = read_json_file(Path(directory) / "config.json", max_bytes=16 << 20, what="config.json",
+                            allow_duplicate_keys=True)
+    return config if isinstance(config, dict) else None
+
+
+def joined_shards(target: RankShards, draft: RankShards, offset: int) -> RankShards:
+    """One rank's chunks of a target and of its draft model in one buffer: the target's bytes as they are, then each
+    of the draft's layers, renumbered `offset + i`, at the next aligned place (names unchanged). Holds the target's
+    chunks twice until the caller lets the old buffer go.
+
+    >>> joined = joined_shards(binding.shards, open_rank("draft/", rank), offset=4)  # doctest: +SKIP
+    """
+    old = target.manifest
+    records, at = list(old.layers), old.rank_file_bytes
+    for r in draft.manifest.layers:
+        at = align_up(at, old.file_alignment)
+        records.append(dataclasses.replace(r, layer=r.layer + offset, file_offset=at))
+        at += r.chunk_bytes
+    facts = draft.manifest.draft
+    assert facts is not None
+    manifest = dataclasses.replace(old, layers=tuple(records), draft=dataclasses.replace(
+        facts, layers=tuple(i + offset for i in facts.layers)))
+    buffer = torch.zeros(manifest.rank_file_bytes, dtype=torch.uint8, device=target.device)
+    buffer[:old.rank_file_bytes].copy_(target.buffer)
+    for r, moved in zip(draft.manifest.layers, records[len(old.layers):]):
+        draft.read_chunk(r.layer, into=buffer[moved.file_offset:moved.file_offset + r.chunk_bytes])
+    return RankShards(manifest, target.rank, buffer)
+
+
+def renumbered_names(manifest: Manifest, offset: int) -> Callable[[str], str]:
+    """A draft manifest's tensor name → the same name with its layer numbered `offset` more (`layers.0.x` →
+    `layers.4.x`; an unnumbered `midlayer.x` → `midlayer.4.x`): what `bind` splits a joined draft layer's names by.
+
+    >>> from shardprep.manifests import Manifest
+    >>> m = Manifest(1, ("r",), (), version=1, selection={"unnumbered_layers": {"midlayer": 0}})
+    >>> renumbered_names(m, 4)("midlayer.self_attn.o_proj.weight")
+    'midlayer.4.self_attn.o_proj.weight'
+    """
+    layer_of = {name: r.layer for r in manifest.layers for name in [*(e.name for e in r.entries),
+                                                                    *(v.name for v in r.views)]}
+
+    def renamed(name: str) -> str:
+        layer = layer_of[name]
+        outer, inner = layer_name_parts(manifest, name, layer)
+        outer = outer[:-len(f".{layer}")] if outer.endswith(f".{layer}") else outer
+        return f"{outer}.{layer + offset}.{inner}"
+
+    return renamed
+
+
+@contextmanager
+def whole_layers(layers: list[BoundLayer], shards: RankShards, gatherer: LayerGatherer) -> Iterator[None]:
+    """Inside this block each of `layers` has its full weights, gathered once into memory of its own (all of them
+    at once: the draft's whole R, at load only); after it, their parameters point at `gatherer`'s views again.
+    Collective over the shard group."""
+    held = []
+    for layer in layers:
+        record = shards.manifest.layer(layer.index)
+        full = torch.empty(shards.world_size * record.chunk_bytes, dtype=torch.uint8, device=shards.device)
+        mine = full[shards.rank * record.chunk_bytes:(shards.rank + 1) * record.chunk_bytes]
+        mine.copy_(shards.chunk(layer.index))
+        gather_in_place(full, mine, shards.rank, shards.world_size, gatherer.group)
+        layer.point(layer_views(record, full))
+        held.append(full)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.point(gatherer.views(layer.index))
+        del held
+
+
 def draft_startup_line(binding: Binding, directory: str | Path, processed: ProcessedLayers | None = None,
                        server: str = "the server") -> str:
     """The line each rank logs once its draft is bound: which layers, where their gather hides, and the draft's
@@ -151,3 +293,21 @@ def draft_startup_line(binding: Binding, directory: str | Path, processed: Proce
             + ("" if processed is None else
                f"; processed at load: {len(processed.modules)} quantized modules, its bytes as {server}'s kernels "
                f"read them (the rank file held {processed.rank_file_bytes})"))
+
+
+def model_draft_startup_line(binding: Binding, directory: str | Path, draft: Manifest, target: Manifest) -> str:
+    """The line each rank logs once a draft model from its own checkpoint is bound: its layers, where their gathers
+    hide, and its resident and saved bytes apart from the target's (gathered in the target's slots).
+
+    >>> log.info(model_draft_startup_line(binding, "draft-out/", draft_manifest, target_manifest))  # doctest: +SKIP
+    """
+    assert draft.draft is not None
+    figures = draft_account(draft, binding.gatherer.num_slots, target=target.without_draft())
+    assert figures is not None
+    layers = ", ".join(map(str, draft.draft.layers))
+    group_ranks = torch.distributed.get_process_group_ranks(binding.gatherer.group)
+    return (f"shardprep: DP rank {group_ranks[binding.shards.rank]} binds {draft.draft.describe()} of {directory}: "
+            f"layers {layers} gathered after the target's layers (the first dispatched before the target's last layer "
+            "computes), into the target's slots; resident draft bytes "
+            f"{figures['resident_bytes']}, saved {figures['saved_bytes']} against {figures['sharded_bytes']} for its "
+            "full weights")

@@ -258,7 +258,7 @@ def _process_layer(layer: BoundLayer, shards: RankShards, group: Any, owners: li
     full = torch.empty(shards.world_size * record.chunk_bytes, dtype=torch.uint8, device=shards.device)
     mine = full[shards.rank * record.chunk_bytes:(shards.rank + 1) * record.chunk_bytes]
     shards.read_chunk(layer.index, into=mine)
-    _gather_in_place(full, mine, shards.rank, shards.world_size, group)
+    gather_in_place(full, mine, shards.rank, shards.world_size, group)
     layer.point(layer_views(record, full))
     tensors: dict[str, torch.Tensor] = {}
     for module, bound in owners:
@@ -275,7 +275,7 @@ def _process_layer(layer: BoundLayer, shards: RankShards, group: Any, owners: li
     return tensors
 
 
-def _gather_in_place(full: torch.Tensor, mine: torch.Tensor, rank: int, n: int, group: Any) -> None:
+def gather_in_place(full: torch.Tensor, mine: torch.Tensor, rank: int, n: int, group: Any) -> None:
     """Every rank's chunk into `full`, where `mine` (this rank's, a view of `full`) already is; no other memory.
 
     On the CPU one broadcast per rank (`broadcast_into`: gloo's all-gather would hold a second copy of the

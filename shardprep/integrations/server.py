@@ -110,6 +110,11 @@ class ServerAdapter(ABC):
         """The manifest's name for one of the model's parameter names (`model_name`'s inverse) while it is built."""
         return name
 
+    def draft_manifest_name(self, name: str) -> str:
+        """The draft manifest's name for a draft model's parameter while it is built, where the server numbers a
+        draft model's layers otherwise than its checkpoint (vLLM: layer i as `i + the target's layers`)."""
+        return name
+
     def refuse_unshardable(self, model: nn.Module, targets: Mapping[str, nn.Parameter], directory: str) -> None:
         """Raise ShardprepError, in one line, for a target that the server does not hold as the checkpoint's
         replicated weight: split over TP ranks, padded, or rewritten after loading by a step a gathered weight
@@ -140,6 +145,11 @@ class ServerAdapter(ABC):
         """The function the server's models load a parameter with when it has no `weight_loader` of its own
         (the convention vLLM and SGLang share); the flow wraps both to see which parameters were loaded, whatever
         `load_weights` returns. None: the server has no such convention (then `load_weights`' answer is trusted)."""
+        return None
+
+    def copy_draft_weights_at_load(self, model: nn.Module) -> None:
+        """Redo, now that the draft's sharded layers have their full weights, any copy the server made of them while
+        loading (it copied placeholders then): DFlash's fused K/V projection of every layer. Nothing by default."""
         return None
 
     def draft_layer_modules(self, model: nn.Module, layers: Sequence[int]) -> Mapping[int, nn.Module]:

@@ -308,7 +308,7 @@ def bound_later(manifest: Manifest, draft: bool = False) -> Callable[[str], bool
     >>> model_name_is_target = is_target("model.layers.1.self_attn.qkv_proj.weight")  # doctest: +SKIP
     """
     records = manifest.draft_records if draft else manifest.target_records
-    inside = {(r.layer, split_layer_name(name, r.layer)[1]) for r in records
+    inside = {(r.layer, layer_name_parts(manifest, name, r.layer)[1]) for r in records
               for name in [*(e.name for e in r.entries), *(v.name for v in r.views)]}
 
     def is_target(name: str) -> bool:
@@ -316,3 +316,24 @@ def bound_later(manifest: Manifest, draft: bool = False) -> Callable[[str], bool
         return any(p.isdigit() and (int(p), ".".join(parts[k + 1:])) in inside for k, p in enumerate(parts) if k)
 
     return is_target
+
+
+def layer_name_parts(manifest: Manifest, name: str, layer: int) -> tuple[str, str]:
+    """A manifest tensor name of `layer` split into the layer's own name and the name inside the layer: around the
+    layer's number (`model.layers.3.self_attn.o_proj.weight` → `model.layers.3`, `self_attn.o_proj.weight`), or
+    after a layer the selection names instead of numbering (EAGLE-3's `midlayer.`, its `unnumbered_layers`).
+
+    >>> from shardprep.manifests import Manifest
+    >>> m = Manifest(1, ("shards/r",), (), version=1, selection={"unnumbered_layers": {"midlayer": 0}})
+    >>> layer_name_parts(m, "midlayer.self_attn.o_proj.weight", 0)
+    ('midlayer', 'self_attn.o_proj.weight')
+    >>> layer_name_parts(m, "layers.2.mlp.down_proj.weight", 2)
+    ('layers.2', 'mlp.down_proj.weight')
+    """
+    unnumbered = (manifest.selection or {}).get("unnumbered_layers") or {}
+    for prefix, index in unnumbered.items():
+        if index == layer and (name.startswith(f"{prefix}.") or f".{prefix}." in name):
+            start = name.index(f"{prefix}.") if name.startswith(f"{prefix}.") else name.index(f".{prefix}.") + 1
+            return name[:start + len(prefix)], name[start + len(prefix) + 1:]
+    outer, inner = split_layer_name(name, layer)
+    return f"{outer}.{layer}", inner

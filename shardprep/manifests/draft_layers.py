@@ -31,6 +31,9 @@ DRAFT_KINDS = (MTP, DFLASH, EAGLE3)
 """What a draft record's `kind` may be: `mtp`, layers inside the target's own checkpoint; `dflash` and `eagle3`, a
 whole draft model converted from its own checkpoint (MODEL_KINDS)."""
 MODEL_KINDS = (DFLASH, EAGLE3)
+ONE_PASS_KINDS = (DFLASH,)
+"""Drafts that run each of their layers once per step (DFlash proposes a whole block in one forward); the others run
+their layer once per proposed token, so a gather slot must hold it through the step's passes."""
 KIND_NAMES = {MTP: "MTP", DFLASH: "DFlash", EAGLE3: "EAGLE-3"}
 DRAFT_ARCHITECTURES = {
     "DFlashDraftModel": DFLASH,

@@ -12,12 +12,16 @@ without a graph break, and CUDA graphs capture fixed weight addresses.
 Outside its layer's forward a target parameter reads whatever its slot holds at that moment (another
 layer's weights once the slot is reused): only the layer itself may read it.
 
-A draft model's layers (`manifest.draft`: an MTP layer) are gathered with the target's, last, so the target's
-last layer's wait dispatches the draft's first gather: it hides behind that layer. `bind_draft` binds them to the
-draft model's modules. The draft runs several passes per step on the same weights, so the first pass waits for
-the gather and every later pass reads the slot as it is; the slot is released when the next target forward
-begins. The ranks' collective sequence is the target's forward, whatever the draft does (idle ranks, rejected
-proposals, fewer passes): one gather per layer, draft included, per target forward.
+A draft model's layers (`manifest.draft`) are gathered with the target's, last, so the target's last layer's wait
+dispatches the draft's first gather: it hides behind that layer. `bind_draft` binds them to the draft model's
+modules. A draft of one layer (DeepSeek's MTP layer, EAGLE-3's midlayer) runs several passes per step on the same
+weights, so the first pass waits for the gather and every later pass reads the slot as it is; the slot is released
+when the next target forward begins. A draft of several layers (DFlash) runs each once per step, in order, and
+walks its gathers as the target's layers do (a layer's slot is released when it ends); it cannot run twice in a
+step, since its slots are refilled as it goes. The ranks' collective sequence is the target's forward, whatever the
+draft does (idle ranks, rejected proposals): the draft's first gather is issued with the target's last layer, and a
+draft that does not run in a step leaves its later gathers unissued on every rank alike, as the server runs its
+drafts in lockstep across DP ranks (vLLM does: an idle rank runs a dummy draft pass).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from torch import nn
 
 from .._version import __version__
 from ..errors import RuntimeShardError, ShardprepError
-from ..manifests.draft_layers import layer_mismatch, mtp_layers
+from ..manifests.draft_layers import ONE_PASS_KINDS, layer_mismatch, mtp_layers
 from ..manifests.dtypes import torch_dtype
 from ..manifests.manifest import LayerRecord, Manifest
 from ..manifests.strict_json import read_json_file
@@ -199,7 +203,9 @@ class Binding:
         if weights is not None:
             self._check_addresses(position, weights)
         if position >= len(self.layers):
-            return  # the draft's slot stays valid through its later passes; the next target forward releases it
+            if len(self.draft_layers) > 1:  # a draft of several layers walks its slots as the target does
+                self.gatherer.done(self.draft_layers[position - len(self.layers)].index)
+            return  # one draft layer's slot stays valid through its later passes; the next target forward releases it
         self.gatherer.done(self.layers[position].index)
         self._position = position + 1
         if self._position == len(self.layers):
@@ -221,7 +227,10 @@ class Binding:
 
     def _draft_begin(self, layer: BoundLayer) -> None:
         if layer.index in self._draft_waited:
-            return  # a later pass of the draft in this step: the same weights, still in their slot
+            if len(self.draft_layers) == 1:
+                return  # a later pass of the draft in this step: the same weights, still in their slot
+            raise RuntimeShardError(f"draft layer {layer.index} ran twice in one step; a draft of several layers runs "
+                                    "once per target forward (its slots are refilled as it goes)")
         if self._begun:
             raise RuntimeShardError(f"draft layer {layer.index} ran inside the target model's forward; the draft's "
                                     "layers are gathered after the target's last layer")
@@ -343,9 +352,10 @@ def draft_layers(manifest: Manifest, gathered: Sequence[int], modules: Mapping[i
     if not drafted or any(i not in gathered for i in drafted):
         raise RuntimeShardError("the target's binding gathers no draft layer; open the rank file with the "
                                 "draft's layers (open_rank(..., draft=True)) and bind the target over them")
-    if len(drafted) > 1:
-        raise RuntimeShardError(f"{len(drafted)} draft layers ({drafted}): a sharded draft has one layer at most "
-                                "(DeepSeek's MTP); serve the draft in full mode")
+    if len(drafted) > 1 and manifest.draft is not None and manifest.draft.kind not in ONE_PASS_KINDS:
+        raise RuntimeShardError(f"{len(drafted)} draft layers ({drafted}): a draft that runs a pass per proposed token "
+                                "has one layer at most when sharded (with two slots, a second layer would overwrite "
+                                "the first's while later passes read it); serve the draft in full mode")
     missing = [i for i in drafted if i not in modules]
     if missing:
         raise RuntimeShardError(f"the draft model has no module for draft layer {missing[0]}")

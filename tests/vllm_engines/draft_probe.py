@@ -1,12 +1,13 @@
-"""A vLLM plugin for the tests: what the MTP draft computed, so that a sharded draft's weights are compared, not only
+"""A vLLM plugin for the tests: what a draft model computed, so that a sharded draft's weights are compared, not only
 the target's tokens.
 
 Greedy speculative decoding gives the target's tokens whatever the draft proposes, and a tiny random model's draft
 has its proposals rejected anyway, so tokens and log-probabilities say nothing of the draft's weights. With
 SHARDPREP_TEST_DRAFT_PROBE in a plan's environment the probe is installed: vLLM's DeepSeek MTP layer
-(`DeepSeekMultiTokenPredictorLayer`, which runs `eh_proj`, the gathered `mtp_block` and the norms) then appends, for
-every eager forward of an engine whose own `env` sets the variable to a path, one digest of the hidden states it
-returns (their bytes) to `PATH.dpR` (R: the DP rank). Equal files for a full-mode and a sharded engine mean the draft
+(`DeepSeekMultiTokenPredictorLayer`, which runs `eh_proj`, the gathered `mtp_block` and the norms), DFlash's model
+(`DFlashQwen3Model`: its layers over the context K/V its fused projection wrote) and EAGLE-3's (`llama_eagle3.
+LlamaModel`: its midlayer and norm) then append, for every eager forward of an engine whose own `env` sets the
+variable to a path, one digest of the hidden states they return (their bytes) to `PATH.dpR` (R: the DP rank). Equal files for a full-mode and a sharded engine mean the draft
 computed the same values, bit for bit, at every pass, dummy passes of idle ranks included. A traced forward
 (Dynamo) records nothing. Checked by hand once (DP=1, full mode, deepseek_mtp k=1): with the MTP layer's o_proj
 doubled in the checkpoint, the tokens and log-probabilities stayed equal and every digest changed.
@@ -41,10 +42,18 @@ def digests(path: Path, dp_rank: int) -> list[str]:
 def register() -> None:
     if ENV not in os.environ:  # plugins load once per process: installed for the plan, recording per engine
         return
-    import torch
     from vllm.model_executor.models.deepseek_mtp import DeepSeekMultiTokenPredictorLayer
+    from vllm.model_executor.models.llama_eagle3 import LlamaModel as Eagle3Model
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
 
-    forward = DeepSeekMultiTokenPredictorLayer.forward
+    for cls in (DeepSeekMultiTokenPredictorLayer, DFlashQwen3Model, Eagle3Model):
+        _probe(cls)
+
+
+def _probe(cls: Any) -> None:
+    import torch
+
+    forward = cls.forward
     if getattr(forward, "_shardprep_probe", False):
         return
 
@@ -59,4 +68,4 @@ def register() -> None:
         return out
 
     probed._shardprep_probe = True  # type: ignore[attr-defined]
-    DeepSeekMultiTokenPredictorLayer.forward = probed  # type: ignore[method-assign]
+    cls.forward = probed

@@ -61,6 +61,47 @@ def is_draft_model(model_config: Any) -> bool:
     return getattr(model_config, "runner_type", None) == "draft"
 
 
+def refuse_published_draft(directory: str, vllm_config: Any) -> None:
+    """Refuse, in one line naming the draft and both ways on, a draft model that vLLM hands to this load format (the
+    target's, when `speculative_config` has no `draft_load_config`) but that is no `shardprep convert` output.
+
+    >>> refuse_published_draft("z-lab/Kimi-K2.5-DFlash", vllm_config)  # doctest: +SKIP
+    """
+    from pathlib import Path
+
+    from ...manifests.manifest import MANIFEST_NAME
+
+    if (Path(directory) / MANIFEST_NAME).is_file():
+        return
+    spec = vllm_config.speculative_config
+    raise ShardprepError(
+        f"{directory}: the {getattr(spec, 'method', None) or 'speculative'} draft model is loaded with load_format "
+        "shardprep, as its target is, but is not an output of `shardprep convert` (no shard_manifest.json); convert "
+        f"it with the target's --ranks (`shardprep convert {directory} DRAFT_OUT --ranks N`) and set "
+        "speculative_config's model to DRAFT_OUT, or load it apart with "
+        "speculative_config's draft_load_config={\"load_format\": \"auto\"} (every rank then holds the whole draft)")
+
+
+def replicated_draft_line(spec: Any) -> str | None:
+    """The line a sharded target logs when vLLM loads its draft model apart, whole on every rank (a
+    `draft_load_config` with another load format); None when there is no such draft.
+
+    >>> replicated_draft_line(vllm_config.speculative_config)  # doctest: +SKIP
+    """
+    from pathlib import Path
+
+    load = getattr(spec, "draft_load_config", None)
+    model = getattr(spec, "model", None)
+    if load is None or getattr(spec, "method", None) in MTP_METHODS or model is None:
+        return None
+    if getattr(load, "load_format", None) == LOAD_FORMAT:
+        return None
+    files = sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else []
+    size = f" ({sum(f.stat().st_size for f in files)} bytes of safetensors)" if files else ""
+    return (f"shardprep: the {spec.method} draft model {model} is loaded by vLLM's own loader (draft_load_config "
+            f"load_format {load.load_format!r}): replicated whole on every rank{size}, not sharded")
+
+
 def add_splitting_ops(ops: tuple[str, ...]) -> None:
     """Cut vLLM's piecewise-compiled graph at `ops` too, as at attention (call it before the model first runs).
 
@@ -297,13 +338,27 @@ class VllmAdapter(ServerAdapter):
         """
         from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 
-        names = set()
+        names = set(self._shared_with_target(model))
         for name, module in model.named_modules():
             method = getattr(module, "quant_method", None)
             exempt = isinstance(method, BaseKVCacheMethod) or getattr(method, "uses_meta_device", False)
             for attribute, param in module.named_parameters(recurse=False):
                 if exempt or param.numel() == 0 or attribute == "input_scale_ub":
                     names.add(f"{name}.{attribute}" if name else attribute)
+        return names
+
+    @staticmethod
+    def _shared_with_target(model: nn.Module) -> list[str]:
+        """A draft model's parameters vLLM replaces with the target's after loading, where its checkpoint has none
+        (`_maybe_share_embeddings` / `_maybe_share_lm_head`, flags set by `process_eagle_weight`), and DFlash's
+        mask embedding when no separate one is shipped (its constructor's zeros are used)."""
+        names = []
+        if getattr(model, "has_own_embed_tokens", True) is False:
+            names += [n for n, _ in model.named_parameters() if n.split(".")[-2:] == ["embed_tokens", "weight"]]
+        if getattr(model, "has_own_lm_head", True) is False:
+            names += [n for n, _ in model.named_parameters() if n.split(".")[-2:] == ["lm_head", "weight"]]
+        if getattr(getattr(model, "model", None), "has_separate_mask_embedding", True) is False:
+            names.append("model.mask_embedding")
         return names
 
     def default_weight_loader(self) -> Callable[..., Any]:
@@ -313,12 +368,19 @@ class VllmAdapter(ServerAdapter):
         return default_weight_loader
 
     def draft_layer_modules(self, model: nn.Module, layers: Sequence[int]) -> Mapping[int, nn.Module]:
-        """vLLM 0.32's DeepSeekMTP and Kimi K3's KimiK3MTP: the decoder block of each MTP layer,
-        `model.layers["L"].mtp_block` (deepseek_mtp.py, models/kimi_k3/nvidia/mtp.py; its linear layers' prefixes are
-        the checkpoint's `model.layers.L.*`, `_rewrite_spec_layer_name` adds `mtp_block`).
+        """The draft model's module for each draft layer: vLLM 0.32's DeepSeekMTP and Kimi K3's KimiK3MTP hold an MTP
+        layer's decoder block at `model.layers["L"].mtp_block` (deepseek_mtp.py, models/kimi_k3/nvidia/mtp.py; its
+        linear layers' prefixes are the checkpoint's `model.layers.L.*`, `_rewrite_spec_layer_name` adds
+        `mtp_block`); DFlash's and EAGLE-3's draft models hold layer i at `model.layers[i]` (qwen3_dflash.py,
+        llama_eagle3.py: EAGLE-3's one `midlayer` is layer 0).
         """
         inner: Any = getattr(model, "model", None)
         found = getattr(inner, "layers", None)
+        if isinstance(found, nn.ModuleList):
+            if max(layers) >= len(found):
+                raise ShardprepError(f"the draft model ({type(model).__name__}) has {len(found)} layers, the draft's "
+                                     f"output {max(layers) + 1}; was it converted from this draft?")
+            return {i: found[i] for i in layers}
         blocks = {}
         for i in layers:
             layer = found[str(i)] if isinstance(found, nn.ModuleDict) and str(i) in found else None
@@ -326,9 +388,32 @@ class VllmAdapter(ServerAdapter):
             if not isinstance(block, nn.Module):
                 raise ShardprepError(f"the draft model ({type(model).__name__}) has no MTP block for draft layer "
                                      f"{i} (model.layers[\"{i}\"].mtp_block); shard_weights binds DeepSeek's and Kimi "
-                                     "K3's MTP drafts only")
+                                     "K3's MTP drafts, and DFlash and EAGLE-3 draft models")
             blocks[i] = block
         return blocks
+
+    def draft_manifest_name(self, name: str) -> str:
+        """vLLM builds a draft model's layer i under the prefix `layers.{i + L}` (L: the target's layers, so the
+        draft's attention layers have names of their own; qwen3_dflash.py and llama_eagle3.py's `start_layer_id`),
+        while its module tree and checkpoint number it i."""
+        from vllm.config import get_current_vllm_config
+
+        offset = get_current_vllm_config().model_config.get_total_num_hidden_layers()
+        parts = name.split(".")
+        for k, part in enumerate(parts[1:], 1):
+            if parts[k - 1] == "layers" and part.isdigit() and int(part) >= offset:
+                parts[k] = str(int(part) - offset)
+                break
+        return ".".join(parts)
+
+    def copy_draft_weights_at_load(self, model: nn.Module) -> None:
+        """DFlash (qwen3_dflash.py) copies every layer's K/V rows into `_fused_kv_weight` at the end of its
+        `load_weights`, and projects the context with that copy before its first layer runs: built again here from
+        the gathered weights (it is a copy in full mode too, resident on every rank)."""
+        inner: Any = getattr(model, "model", None)
+        rebuild = getattr(inner, "_build_fused_kv_buffers", None)
+        if callable(rebuild):
+            rebuild()
 
 
 def _counted(original: Callable[..., Any], depth: list[int], *args: Any, **kwargs: Any) -> Any:

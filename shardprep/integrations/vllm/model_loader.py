@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from vllm.config import ModelConfig, VllmConfig
+from vllm.config import ModelConfig, VllmConfig, get_current_vllm_config
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
@@ -66,6 +66,7 @@ class ShardprepModelLoader(BaseModelLoader):
 
         directory = model_config.model
         if vllm_adapter.is_draft_model(model_config):
+            vllm_adapter.refuse_published_draft(directory, vllm_config)
             self.draft = DraftLoad(self.adapter, directory, self.options, vllm_config.speculative_config)
             return self.draft.build(construct)
         self._deployment = getattr(vllm_config, "speculative_config", None)
@@ -80,6 +81,8 @@ class ShardprepModelLoader(BaseModelLoader):
             if not layout.eager:
                 cpu_workarounds.trace_moe_as_one_op(model)
         if not self.options.shard_weights:
+            if vllm_adapter.is_draft_model(model_config):
+                vllm_adapter.refuse_published_draft(model_config.model, get_current_vllm_config())
             load_full(model, model_config.model, self.options.verify, self.adapter)
         elif self.draft is not None:
             self.draft.load(model)
@@ -88,6 +91,9 @@ class ShardprepModelLoader(BaseModelLoader):
             self.target.load(model)
             if self._deployment is not None:
                 hand_to_draft(self._deployment, self.target)
+                line = vllm_adapter.replicated_draft_line(self._deployment)
+                if line is not None:
+                    self.adapter.logger().info(line)
             if not layout.eager:
                 vllm_adapter.add_splitting_ops(SPLITTING_OPS)
 
