@@ -384,11 +384,12 @@ class LayerGatherer:
             self._forget_done_events_across_capture()
             stream = self.first_stream if prefetch else self.gather_stream
         if self._tags is not None:
+            if self._cuda and torch.cuda.is_current_stream_capturing():
+                # Brings the gather stream into the capture before its first op, the count below, which every replay
+                # must run too (inside `torch.cuda.stream(gather_stream)` the current stream is not the capturing one).
+                self._forked.record(torch.cuda.current_stream(self.device))
+                self.gather_stream.wait_event(self._forked)
             with torch.cuda.stream(self.gather_stream) if self._cuda else _NOT_TRACED:
-                if self._cuda and torch.cuda.is_current_stream_capturing():
-                    # Brings the gather stream into the capture before its first op (the count below).
-                    self._forked.record(torch.cuda.current_stream(self.device))
-                    self.gather_stream.wait_event(self._forked)
                 self._tag_forward.add_(1)  # after the previous forward's check, on the same stream
             if prefetch and self._cuda:
                 self._counted.record(self.gather_stream)
