@@ -18,6 +18,12 @@ draft model's modules. The draft runs several passes per step on the same weight
 the gather and every later pass reads the slot as it is; the slot is released when the next target forward
 begins. The ranks' collective sequence is the target's forward, whatever the draft does (idle ranks, rejected
 proposals, fewer passes): one gather per layer, draft included, per target forward.
+
+When the target's forward is captured in a CUDA graph, the draft's first gather is not captured with it
+(gatherer.py, "The draft's first gather"): call `binding.prefetch_draft()` right after the target's forward (its
+capture), and `binding.prefetch_draft(replayed=True)` right after every replay of that graph, on every rank; the
+draft's first pass waits for it, or gathers inline if none was issued. A later pass captured in a graph of its
+own waits for it again in that graph.
 """
 
 from __future__ import annotations
@@ -156,6 +162,19 @@ class Binding:
                  [(layer.index, layer.position, [name for _, name in layer.params]) for layer in self.layers]]
         return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
 
+    def prefetch_draft(self, replayed: bool = False) -> None:
+        """Issue the draft's first gather now, off the target's CUDA graph (`LayerGatherer.prefetch_draft`).
+
+        `replayed=True`: the target's captured forward was just replayed (its hooks did not run), so this binding's
+        step restarts where that forward ends: the draft's next pass is its first.
+
+        >>> target_graph.replay(); binding.prefetch_draft(replayed=True)  # doctest: +SKIP
+        """
+        if replayed:
+            self._position, self._begun = 0, False
+            self._draft_waited.clear()  # the replay's gathers refilled the draft's slot: its first pass waits again
+        self.gatherer.prefetch_draft(replayed)
+
     def idle_step(self) -> None:
         """Take part in one forward's gathers without computing (a rank with no work this step).
 
@@ -221,7 +240,10 @@ class Binding:
 
     def _draft_begin(self, layer: BoundLayer) -> None:
         if layer.index in self._draft_waited:
-            return  # a later pass of the draft in this step: the same weights, still in their slot
+            # A later pass of the draft in this step: the same weights, still in their slot. Eagerly nothing to do; a
+            # pass captured in a graph of its own waits for them in that graph.
+            self.gatherer.wait_again(layer.index)
+            return
         if self._begun:
             raise RuntimeShardError(f"draft layer {layer.index} ran inside the target model's forward; the draft's "
                                     "layers are gathered after the target's last layer")
