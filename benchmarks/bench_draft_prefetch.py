@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--backend", default="auto", help="gather backend (auto: ce on CUDA, gloo on the CPU)")
-    p.add_argument("--invocations", type=int, default=3, help="fresh processes, each measuring everything")
+    p.add_argument("--invocations", type=int, default=None,
+                   help="fresh processes, each measuring everything (default 3; dry run: 1, in this process)")
     p.add_argument("--timeout", type=float, default=420, help="seconds one invocation may run before it is killed")
     p.add_argument("--dry-run", action="store_true", help="CPU + gloo, tiny sizes, eager: checks the script itself")
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -85,7 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.dry_run:
         args.device, args.hidden, args.target_ffn, args.draft_ffn = "cpu", 64, 128, 192
         args.target_layers, args.draft_layers, args.tokens, args.vocab = 3, 2, "4", "256,0"
-        args.iters, args.warmup, args.invocations = 3, 1, 1
+        args.iters, args.warmup = 3, 1
+    if args.invocations is None:
+        args.invocations = 1 if args.dry_run else 3
     if args.device == "cpu" and args.backend == "auto":
         args.backend = "gloo"
     try:
@@ -501,8 +504,12 @@ def main(argv: list[str] | None = None) -> int:
                     traceback.print_exc()
                     failures.append(f"invocation {k + 1}: {type(exc).__name__}: {exc}")
             else:
-                proc = subprocess.run([sys.executable, __file__, *argv, "--child-out", str(out)],
-                                      capture_output=True, text=True, timeout=args.timeout + 120)
+                try:
+                    proc = subprocess.run([sys.executable, __file__, *argv, "--child-out", str(out)],
+                                          capture_output=True, text=True, timeout=args.timeout + 120)
+                except subprocess.TimeoutExpired:
+                    failures.append(f"invocation {k + 1}: still running after {args.timeout + 120:.0f} s, killed")
+                    continue
                 if proc.returncode != 0:
                     sys.stderr.write(proc.stderr[-4000:])
                     failures.append(f"invocation {k + 1}: exit {proc.returncode}")
@@ -525,4 +532,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without interpreter teardown, which can abort while communicator threads are still joinable (as
+    # bench_gather.py does); everything is written by now.
+    os._exit(code)

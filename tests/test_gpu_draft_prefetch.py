@@ -21,6 +21,7 @@ from dataclasses import replace
 import pytest
 import torch
 from spawn_group import run_ranks
+from test_gatherer import _error
 
 from shardprep.prep.convert import convert
 
@@ -221,16 +222,6 @@ def _eager_target_captured_draft(shards) -> dict:
         torch.cuda.synchronize()
         same.append(bool(torch.equal(f.out[:-1], want)))
     return {"refused": None, "replays": same}
-
-
-def _error(fn) -> str | None:
-    from shardprep.errors import RuntimeShardError
-
-    try:
-        fn()
-    except RuntimeShardError as exc:
-        return str(exc)
-    return None
 
 
 # -- the tests --------------------------------------------------------------------------------------
