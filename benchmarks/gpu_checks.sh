@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_checks.sh plan     # bench_plan.py, then tests/test_gpu_plan.py (profile + plan via the CLI)
 #   bash benchmarks/gpu_checks.sh one-gpu        # every gpu test one GPU can run (the others skip)
 #   bash benchmarks/gpu_checks.sh one-gpu-bench  # bench_binding.py and bench_load.py --steps at one rank, 3 times each
+#   bash benchmarks/gpu_checks.sh draft-prefetch  # one GPU: every gpu test, then bench_draft_prefetch.py (3 invocations)
 #   bash benchmarks/gpu_checks.sh fp8     # one GPU: tests/test_gpu_fp8.py, bench_fp8_gemm.py 3 times, bench_fp8_kernels.py
 #   EAGER=1 bash benchmarks/gpu_checks.sh fp8-profile  # one GPU: profile + plan of a bf16 and a block-FP8 Llama
 #                                                      # (EAGER=1: also profile --eager)
@@ -77,6 +78,19 @@ one-gpu)
     tests/ >"$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?" >>"$OUT/gpu_tests.log"
   tail -n 6 "$OUT/checks.log"; grep -E "passed|failed|rc=|Error|SKIPPED" "$OUT/gpu_tests.log" | tail -n 40
+  ;;
+draft-prefetch)  # env: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_ARGS
+  { nvidia-smi -L
+    python3 -c "import sys,torch;print(sys.version,torch.__version__,torch.version.cuda,torch.cuda.nccl.version(),torch.cuda.device_count())"
+  } >"$OUT/checks.log" 2>&1
+  SHARDPREP_TEST_RESULTS_DIR=/tmp/results timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
+    tests/ >"$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?" >>"$OUT/gpu_tests.log"
+  timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_draft_prefetch.py --out "$OUT/bench_draft_prefetch.json" \
+    ${BENCH_ARGS:-} >"$OUT/bench_draft_prefetch.log" 2>&1
+  echo "bench_draft_prefetch rc=$?" >>"$OUT/bench_draft_prefetch.log"
+  tail -n 3 "$OUT/checks.log"; grep -E "passed|failed|rc=|Error|SKIPPED" "$OUT/gpu_tests.log" | tail -n 40
+  tail -n 30 "$OUT/bench_draft_prefetch.log"
   ;;
 one-gpu-bench)
   for i in 1 2 3; do

@@ -22,6 +22,12 @@ step, since its slots are refilled as it goes. The ranks' collective sequence is
 draft does (idle ranks, rejected proposals): the draft's first gather is issued with the target's last layer, and a
 draft that does not run in a step leaves its later gathers unissued on every rank alike, as the server runs its
 drafts in lockstep across DP ranks (vLLM does: an idle rank runs a dummy draft pass).
+
+When the target's forward is captured in a CUDA graph, the draft's first gather is not captured with it
+(gatherer.py, "The draft's first gather"): call `binding.prefetch_draft()` right after the target's forward (its
+capture), and `binding.prefetch_draft(replayed=True)` right after every replay of that graph, on every rank; the
+draft's first pass waits for it, or gathers inline if none was issued. A later pass captured in a graph of its
+own waits for it again in that graph.
 """
 
 from __future__ import annotations
@@ -160,6 +166,19 @@ class Binding:
                  [(layer.index, layer.position, [name for _, name in layer.params]) for layer in self.layers]]
         return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
 
+    def prefetch_draft(self, replayed: bool = False) -> None:
+        """Issue the draft's first gather now, off the target's CUDA graph (`LayerGatherer.prefetch_draft`).
+
+        `replayed=True`: the target's captured forward was just replayed (its hooks did not run), so this binding's
+        step restarts where that forward ends: the draft's next pass is its first.
+
+        >>> target_graph.replay(); binding.prefetch_draft(replayed=True)  # doctest: +SKIP
+        """
+        if replayed:
+            self._position, self._begun = 0, False
+            self._draft_waited.clear()  # the replay's gathers refilled the draft's slot: its first pass waits again
+        self.gatherer.prefetch_draft(replayed)
+
     def idle_step(self) -> None:
         """Take part in one forward's gathers without computing (a rank with no work this step).
 
@@ -227,10 +246,13 @@ class Binding:
 
     def _draft_begin(self, layer: BoundLayer) -> None:
         if layer.index in self._draft_waited:
-            if len(self.draft_layers) == 1:
-                return  # a later pass of the draft in this step: the same weights, still in their slot
-            raise RuntimeShardError(f"draft layer {layer.index} ran twice in one step; a draft of several layers runs "
-                                    "once per target forward (its slots are refilled as it goes)")
+            if len(self.draft_layers) > 1:
+                raise RuntimeShardError(f"draft layer {layer.index} ran twice in one step; a draft of several layers "
+                                        "runs once per target forward (its slots are refilled as it goes)")
+            # A later pass of the draft in this step: the same weights, still in their slot. Eagerly nothing to do; a
+            # pass captured in a graph of its own waits for them in that graph.
+            self.gatherer.wait_again(layer.index)
+            return
         if self._begun:
             raise RuntimeShardError(f"draft layer {layer.index} ran inside the target model's forward; the draft's "
                                     "layers are gathered after the target's last layer")

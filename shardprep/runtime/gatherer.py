@@ -40,6 +40,57 @@ no tags (see backends/ce.py).
 Every decision (order, slots, views, backend ops, streams, events, tag buffers) is made in
 __init__; the per-layer path (wait, done, _issue, _protect) only issues ops and records or waits
 on events: no tensor is allocated there and no Python loop runs over tensors.
+
+The draft's first gather
+------------------------
+A draft's layers (`manifest.draft`) come last, from position D on, gathered like the target's. Eagerly,
+G(D) is issued by done(D−2) on the gather stream: it runs while the target's last layer computes, and
+on until the draft's first wait(D). That stays the eager schedule: prefetch_draft() could only issue the
+same gather later on the host, with the same start on the device.
+
+When the target's forward is captured in a CUDA graph (`draft_first="auto"`), G(D) stays out of that
+graph. The draft is a graph of its own, replayed once or k times per step; a G(D) inside the target's
+graph would make it end only once G(D) is done, so whatever runs between the two graphs (sampling)
+would wait for it. Instead the host issues it on `draft_stream`, right after launching the target:
+
+    compute:  … done(D−2) ─ wait(D−1) ─[layer D−1]─ done(D−1) ┊ sampling … ─ wait(D) ─[draft layer D]─ …
+                               │ handoff      (target graph ends) ┊                  ▲ draft_gathered
+    gather:   G(D−1) ──────────┤                                  ┊                  │
+    draft:                     └──── G(D) ─────────────────────────────────────────┘
+                                     ▲ prefetch_draft(), on the host after the target's launch
+
+- wait(D−1) records `handoff` on the compute stream once G(D−1) is in. By then layer D−2, the last
+  reader of G(D)'s slot (with 2 slots; an earlier layer with more), has computed.
+- prefetch_draft() makes `draft_stream` wait on `handoff`, issues G(D) there, records `draft_gathered`.
+  wait(D) makes the compute stream wait on `draft_gathered` before it issues G(D+1); with no prefetch
+  it issues G(D) itself first, on the gather stream (inline: a cold start, or a skipped prefetch).
+- Both are external events (`torch.cuda.Event(external=True)`): recorded inside a capture, a record node
+  of that graph; waited on inside one, a wait node. So the eager prefetch waits on the target's graph,
+  and the draft's graph on the eager prefetch, each on the event's last record before its launch.
+- begin() makes the compute stream wait on `draft_gathered`: a G(D) whose draft never ran (a skipped
+  draft step) completes before the next forward's gathers reuse its slot and its communicator.
+
+What the prefetch must wait for. Its slot is the one target layer D−2 read inside the target's graph,
+whose done event is recorded only inside that capture (an internal dependency eager work cannot wait
+on). Three ways to protect it:
+
+- `handoff`, an external event recorded in the target's graph at wait(D−1) (chosen): no memory; G(D)
+  starts when the eager schedule's G(D) would (after G(D−1), once layer D−2 has computed), overlapping
+  the target's last layer and all the work between the graphs. It also keeps G(D) after G(D−1) on the
+  communicator, which pairs collectives by order (NCCL), and after the forward's tag count.
+- An event at the end of the target's graph: as simple, but G(D) no longer overlaps the target's last
+  layer: its exposure grows by that layer's time.
+- A slot of its own for the draft's first layer: G(D) could start as soon as the previous step's draft
+  is done and overlap the whole target step, for one more max|T| of memory (a 1.2 GB Kimi-K2.5-DFlash
+  layer; (N−1)/N of it with zero copy), and it would compete with the target's own gathers for the links
+  and HBM, moving exposure into the target's step wherever those gathers are not hidden.
+
+Alignment: every target forward issues G(D) once on every rank, wherever the host puts it (the
+forward's own schedule, prefetch_draft(), the draft's first wait, or, for a skipped step, the next
+begin()); between replays, prefetch_draft(replayed=True) on every rank each step. The target's part
+checks its own tags at wait(D−1), inside its graph; the draft's part at its last wait. A draft replay
+after a skipped prefetch reads a G(D) of an earlier forward: its tag carries that forward's count, so
+the check reports it (collective backends).
 """
 
 from __future__ import annotations
@@ -99,6 +150,8 @@ class Slot:
 
 
 _NOT_TRACED = nullcontext()
+DRAFT_FIRST = ("auto", "detached", "in_target")
+"""LayerGatherer's `draft_first` choices: where a draft's first gather goes."""
 _profiling = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 
 
@@ -125,6 +178,11 @@ class LayerGatherer:
       raise an error naming the disagreeing ranks instead of hanging (costs one small all-reduce).
     - `timeout`: how long a CPU (gloo) gather or the alignment check may wait. NCCL gathers use the
       timeout of their process group (`init_process_group(timeout=...)`).
+    - `draft_first`: where the draft's first gather goes (the module docstring's "The draft's first
+      gather"; no effect without a draft). "auto": in a forward captured in a CUDA graph, out of the
+      graph (prefetch_draft() issues it, else the draft's first wait); eagerly, in the forward, one layer
+      ahead like any. "detached": out of every forward, eager ones too. "in_target": in every forward; a
+      captured forward's graph then ends only once it is complete.
 
     begin() twice in a row is harmless. begin() after some wait() abandons that forward: the gathers
     already issued still complete (peers issue them too), and the schedule restarts at the first
@@ -137,6 +195,9 @@ class LayerGatherer:
     ...     w = gatherer.wait(layer)
     ...     x = attention(x, w[f"model.layers.{layer}.self_attn.qkv_proj.weight"], ...)
     ...     gatherer.done(layer)
+
+    With a draft, whose layers come last: the target's forward, then (on the host, right after launching
+    it) `prefetch_draft()`, then the draft's layers, wait/done as above.
     """
 
     def __init__(
@@ -150,7 +211,10 @@ class LayerGatherer:
         zero_copy: bool | None = None,
         alignment_tags: bool = True,
         strides: Mapping[str, tuple[int, ...]] | None = None,
+        draft_first: str = "auto",
     ):
+        if draft_first not in DRAFT_FIRST:
+            raise RuntimeShardError(f"draft_first={draft_first!r}: expected one of {', '.join(DRAFT_FIRST)}")
         group, rank, world_size = group_and_rank(group)
         if world_size != shards.world_size or rank != shards.rank:
             raise RuntimeShardError(
@@ -188,6 +252,11 @@ class LayerGatherer:
                              if alignment_tags and self.backend.matched_by_position else None)
         self.backend.connect(shards.buffer, memories, None if mapped is None else mapped.shard_pieces)
         self._position = {layer: i for i, layer in enumerate(self.layers)}
+        drafted = set(manifest.draft.layers) if manifest.draft else set()
+        first_draft = next((i for i, layer in enumerate(self.layers) if layer in drafted), 0)
+        # D: the position of the draft's first layer, None without a draft (or without a target layer before it).
+        self._draft_at: int | None = first_draft or None
+        self._draft_first = draft_first
         self._outs = tuple(outs)  # per position: the flat bytes a gather fills (a slot, or a zero-copy view)
         # Every view through a storage of its own: fixed addresses a compiler may treat as memory of their own
         # (views.own_storage says why).
@@ -201,6 +270,8 @@ class LayerGatherer:
             # first_stream: prefetch_first()'s gather, issued before begin() (e.g. while sampling).
             self.gather_stream = torch.cuda.Stream(self.device)
             self.first_stream = torch.cuda.Stream(self.device)
+            # draft_stream: prefetch_draft()'s gather of the draft's first layer, off the target's CUDA graph.
+            self.draft_stream = torch.cuda.Stream(self.device)
             # forked: on the compute stream when a slot has no trustworthy done event: all work so far.
             # counted: on the gather stream after a forward's tag count was bumped (and the previous check).
             # first_gathered: on the first stream after a prefetched first gather.
@@ -209,6 +280,14 @@ class LayerGatherer:
             self._first_gathered = torch.cuda.Event()
             # checked: on the gather stream after the tag check (joins it back into a captured graph).
             self._checked = torch.cuda.Event()
+            # External events (a record / wait node when captured), so eager work and separate graphs can use them:
+            # handoff: on the compute stream at wait(D−1) of a detached forward: G(D)'s slot is free, G(D−1) in.
+            # draft_gathered: after every G(D) issued outside a capture (prefetch, inline or eager schedule).
+            self._handoff = torch.cuda.Event(external=True)
+            self._draft_gathered = torch.cuda.Event(external=True)
+            # Recorded once now: a wait inside a capture on an event never recorded would capture no node at all.
+            self._handoff.record(torch.cuda.current_stream(self.device))
+            self._draft_gathered.record(self.draft_stream)
             torch.cuda.synchronize(self.device)  # buffers set up on the compute stream are used on the others
         self._alignment = AlignmentCheck(group, timeout) if debug_alignment else None
 
@@ -222,6 +301,10 @@ class LayerGatherer:
         self._prefetch_captured = False  # ... inside a CUDA graph capture
         self._last_captured = False  # the last begin()/prefetch_first() ran inside a CUDA graph capture
         self._gathers = 0
+        self._detached = False  # this forward's G(D) is left to prefetch_draft() or the draft's first wait
+        self._issue_limit = n  # positions the forward's own schedule issues: all, or up to D (D + 1)
+        self._draft_in_graph = False  # this forward's G(D) was issued inside a capture (no eager event covers it)
+        self._captured_target: bool | None = None  # a captured forward with a draft: detached (True) or not
 
     # -- per layer ------------------------------------------------------------------------------
     def wait(self, layer: int) -> dict[str, torch.Tensor]:
@@ -235,18 +318,20 @@ class LayerGatherer:
         i = self._position.get(layer, -1)
         if self._phase is not Phase.FORWARD or i != self._next_wait:
             raise RuntimeShardError(self._out_of_order(layer))
-        if self._next_issue == i + 1 < self._n:
+        if i == self._draft_at:
+            self._enter_draft()  # the draft's first layer: its gather waited for (or issued inline), then G(D+1)
+        elif self._next_issue == i + 1 < self._issue_limit:
             self._issue(i + 1, self.gather_stream if self._cuda else None)
         slot = self._slots[i % self.num_slots]
         if slot.work is not None:  # CPU backends: block until the bytes are in the slot
             self._wait_work(slot, layer)
-        if self._cuda:
+        if self._cuda and i != self._draft_at:
             # Protects the slot's bytes: layer ℓ's compute must not read them before G(ℓ) wrote them.
             torch.cuda.current_stream(self.device).wait_event(slot.gathered)
         slot.state = SlotState.READ
         self._next_wait = i + 1
-        if i + 1 == self._n:
-            self._check_tags(self._n)
+        if i + 1 == self._draft_at or i + 1 == self._n:
+            self._end_part(i + 1)
         return self._views[i]
 
     def done(self, layer: int) -> None:
@@ -266,13 +351,15 @@ class LayerGatherer:
         if self._phase is Phase.FORWARD:
             if i + 1 == self._n:
                 self._phase = Phase.IDLE
-            elif self._next_issue == i + self.num_slots < self._n:  # the slot is free: refill it now
+            elif self._next_issue == i + self.num_slots < self._issue_limit:  # the slot is free: refill it now
                 self._issue(i + self.num_slots, self.gather_stream if self._cuda else None)
+            if i + 1 == self._draft_at and self._cuda and not self._detached:
+                self._join_if_captured()
 
-    def _issue(self, j: int, stream: torch.cuda.Stream | None) -> None:
+    def _issue(self, j: int, stream: torch.cuda.Stream | None, protect: bool = True) -> None:
         slot = self._slots[j % self.num_slots]
         with record_function(self._labels[j]) if _profiling() else _NOT_TRACED:
-            if self._cuda:
+            if self._cuda and protect:
                 self._protect(slot, stream)
             slot.work = self._ops[j](stream)
             if self._cuda:
@@ -280,6 +367,10 @@ class LayerGatherer:
         slot.owner, slot.state = (self._forward, j), SlotState.GATHERING
         self._next_issue = j + 1
         self._gathers += 1
+        if j == self._draft_at:
+            self._draft_in_graph = self._cuda and torch.cuda.is_current_stream_capturing()
+            if self._cuda and not self._draft_in_graph:
+                self._draft_gathered.record(stream)  # what the draft's first wait, and the next begin(), wait on
 
     def _protect(self, slot: Slot, stream: torch.cuda.Stream | None) -> None:
         assert stream is not None, "CUDA gathers run on a stream"
@@ -320,13 +411,19 @@ class LayerGatherer:
         if self._phase is Phase.FORWARD and self._next_wait == 0:
             return  # begin() twice in a row: the first layer's gather is already in flight
         prefetched = self._phase is Phase.PREFETCHED
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         if self._phase is Phase.FORWARD and self._next_wait < self._n:
+            if self._next_wait == self._next_issue == self._draft_at and not capturing:
+                self._issue_draft_first(after_replay=False)  # a skipped draft step: G(D) as on the ranks that ran it
             self._drain()  # an abandoned forward: its CPU gathers complete, its tags are checked
-            self._check_tags(self._next_issue)
+            self._wait_for_draft_first()
+            self._check_tags(0, self._next_issue)
+        else:
+            self._wait_for_draft_first()
         self._raise_if_misaligned()
         if self._alignment is not None:
             self._alignment(self._forward if step is None else step, self._forward, self._gathers)
-        if self._cuda and prefetched and self._prefetch_captured != torch.cuda.is_current_stream_capturing():
+        if self._cuda and prefetched and self._prefetch_captured != capturing:
             raise RuntimeShardError("prefetch_first() and begin() must both run inside the CUDA graph being "
                                     "captured, or both outside it")
         self._phase, self._next_wait = Phase.FORWARD, 0
@@ -375,20 +472,172 @@ class LayerGatherer:
             self.begin()
         return self.wait(self.layers[0])
 
+    # -- the draft's first gather (the module docstring's "The draft's first gather") ---------------
+    def prefetch_draft(self, replayed: bool = False) -> None:
+        """Issue the draft's first gather now, on `draft_stream`, outside any CUDA graph.
+
+        Call it on the host right after issuing the target's forward, once per forward, on every rank:
+        after its last target layer's wait() (eagerly, or right after its capture ended), or with
+        `replayed=True` right after each replay of a captured target forward, which also brings this
+        gatherer's state to where that forward ends. The draft's first wait() then waits for this gather;
+        in a CUDA graph of the draft, so does every replay. Where the forward has issued it already (the
+        eager schedule, or an earlier call), or no forward awaits its draft, it does nothing. Raises during
+        the target's forward, inside a capture, and without a draft or (`replayed`) a captured forward.
+
+        >>> graph.replay(); gatherer.prefetch_draft(replayed=True); sample(); draft_graph.replay()  # doctest: +SKIP
+        """
+        d = self._draft_at
+        if d is None:
+            raise RuntimeShardError("prefetch_draft(): this gatherer gathers no draft layer (the manifest records "
+                                    "none after a target layer, or the shards were opened with draft=False)")
+        self._raise_if_failed()
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeShardError("prefetch_draft() inside a CUDA graph capture: it issues the draft's first "
+                                    "gather outside the graphs; call it after the capture, and after every replay")
+        if replayed:
+            self._raise_if_misaligned()
+            self._after_replay()
+        elif self._phase is Phase.FORWARD and self._next_wait < d:
+            raise RuntimeShardError(f"prefetch_draft() during the target's forward; call it after wait("
+                                    f"{self.layers[d - 1]}) of the target's last layer")
+        if self._phase is Phase.FORWARD and self._next_wait == self._next_issue == d:
+            self._issue_draft_first(after_replay=replayed)
+
+    def wait_again(self, layer: int) -> dict[str, torch.Tensor]:
+        """The views of a layer already waited on in this forward, waited for again by the current stream where
+        that matters: a later pass of the draft's first layer captured in a CUDA graph of its own (eagerly a
+        no-op: the later pass follows the first wait on the stream).
+
+        >>> w = gatherer.wait_again(61)  # doctest: +SKIP
+        """
+        i = self._position.get(layer, -1)
+        if i < 0 or self._phase is not Phase.FORWARD or self._next_wait <= i:
+            raise RuntimeShardError(f"wait_again({layer}) before wait({layer}) in this forward")
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            if i != self._draft_at:
+                raise RuntimeShardError(f"wait_again({layer}) inside a CUDA graph capture: only the draft's first "
+                                        "layer is waited for again there")
+            if not self._draft_in_graph:
+                # Protects the layer's bytes in this graph: G(D), prefetched outside it, is done before the pass reads.
+                torch.cuda.current_stream(self.device).wait_event(self._draft_gathered)
+        return self._views[i]
+
+    def _issue_draft_first(self, after_replay: bool) -> None:
+        """G(D), from the host, outside any graph: on the draft stream after the handoff (CPU: an async gather)."""
+        d = self._draft_at
+        assert d is not None
+        if self._cuda:
+            if self._last_captured and not after_replay:
+                # Right after the target's capture nothing of its graph has run, so its handoff was never recorded:
+                # protect the slot from the eager work queued so far instead (warm-up forwards still reading it).
+                self._forked.record(torch.cuda.current_stream(self.device))
+                self.draft_stream.wait_event(self._forked)
+            # Protects G(D)'s slot: its last reader, target layer D−2 (inside the target's graph, whose done event
+            # this stream cannot wait on), has computed, and G(D−1) is in (the communicator's order, the tag count).
+            self.draft_stream.wait_event(self._handoff)
+        self._issue(d, self.draft_stream if self._cuda else None, protect=False)
+
+    def _after_replay(self) -> None:
+        """The host's state as a replay of the captured target forward leaves it: its forward, at the draft."""
+        d, detached = self._draft_at, self._captured_target
+        if detached is None or d is None:
+            raise RuntimeShardError("prefetch_draft(replayed=True) without a captured target forward to replay; "
+                                    "capture the target's forward (begin() ... its last layer) first")
+        self._drain()
+        self._forward += 1
+        self._phase, self._next_wait, self._detached = Phase.FORWARD, d, detached
+        issued = self._next_issue = self._issue_limit = d + (not detached)
+        self._first_prefetched, self._draft_in_graph = False, not detached
+        self._last_captured = True  # the slots' last events are the graph's: wait through the compute stream
+        for k, slot in enumerate(self._slots):  # slot k holds the last position < issued that is k mod num_slots
+            if k < issued:
+                slot.owner = (self._forward, k + (issued - 1 - k) // self.num_slots * self.num_slots)
+                slot.state = SlotState.READ
+
+    def _enter_draft(self) -> None:
+        """wait(D): G(D) issued inline if nothing issued it, then waited for; then G(D+1), behind that wait."""
+        d = self._draft_at
+        assert d is not None
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        if capturing and self._next_issue == d:
+            raise RuntimeShardError(
+                f"wait({self.layers[d]}): the draft's first gather was not issued for this forward, and inside a "
+                "CUDA graph capture it is not issued inline (a draft graph may be replayed several times a step): "
+                "call prefetch_draft() after the target's forward first, or build the gatherer with "
+                "draft_first='in_target' to keep it in the target's graph")
+        if capturing and self._next_issue > d + 1:
+            raise RuntimeShardError(
+                f"wait({self.layers[d]}) inside a CUDA graph capture after an eager target forward that gathered the "
+                f"draft's layer {self.layers[d + 1]} already: a replay of this graph would not gather it again; build "
+                "the gatherer with draft_first='detached', so that the draft's graph gathers its own layers")
+        if self._cuda:
+            self._forget_done_events_across_capture()  # the draft may run in a graph of its own, or eagerly
+        self._issue_limit = self._n
+        if self._next_issue == d:  # a cold start, or no prefetch_draft(): inline, waited for in full just below
+            self._issue(d, self.gather_stream if self._cuda else None)
+        if self._cuda and not self._draft_in_graph:
+            # Protects the draft's first layer's bytes: G(D) ran outside any graph (the draft stream, or the gather
+            # stream), recorded `draft_gathered`; in a capture this is an external wait node (each replay's prefetch).
+            # Issued inside the target's graph instead, that graph ended waiting for it (done(D−1)).
+            torch.cuda.current_stream(self.device).wait_event(self._draft_gathered)
+        if self._next_issue == d + 1 < self._n:
+            if self._cuda:
+                # Orders G(D+1) after G(D), which the compute stream has just waited for (on the draft stream, maybe):
+                # the communicator pairs collectives by their order, and in a capture this brings the gather stream in.
+                self._forked.record(torch.cuda.current_stream(self.device))
+                self.gather_stream.wait_event(self._forked)
+            self._issue(d + 1, self.gather_stream if self._cuda else None)
+
+    def _end_part(self, stop: int) -> None:
+        """The target's part (stop = D, a detached forward) or the forward (stop = n) has been waited on."""
+        if stop != self._n:
+            if not self._detached:
+                return
+            if self._cuda:
+                # Marks when G(D) may start: G(D−1) is in and layer D−2 (G(D)'s slot's last reader) has computed.
+                self._handoff.record(torch.cuda.current_stream(self.device))
+            self._check_tags(0, stop)  # inside the target's graph, which its draft's may not follow
+        else:
+            self._check_tags(self._draft_at if self._detached and self._draft_at is not None else 0, stop)
+
+    def _join_if_captured(self) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            # A captured target forward that issued G(D) inside its graph (draft_first="in_target") ends here: its
+            # graph ends once G(D) is complete, so a draft launched after it reads G(D) in stream order.
+            self._checked.record(self.gather_stream)
+            torch.cuda.current_stream(self.device).wait_event(self._checked)
+
+    def _wait_for_draft_first(self) -> None:
+        if self._cuda and self._draft_at is not None:
+            # Protects G(D)'s slot and communicator: a G(D) issued outside a graph and never waited on (a skipped
+            # draft step) completes before this forward's gathers, which may reuse both.
+            torch.cuda.current_stream(self.device).wait_event(self._draft_gathered)
+
     def _start_forward(self, prefetch: bool) -> None:
         self._forward += 1
         self._next_issue, self._next_wait = 0, self._n if prefetch else 0
         self._first_prefetched = prefetch
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        d, choice = self._draft_at, self._draft_first
+        self._detached = d is not None and (choice == "detached" or (capturing and choice == "auto"))
+        # The forward's own schedule issues every gather, but G(D) when detached, and in a captured forward no draft
+        # gather after G(D): the draft's own graph issues those.
+        self._issue_limit = self._n
+        if d is not None and (self._detached or capturing):
+            self._issue_limit = d if self._detached else d + 1
+        if capturing and d is not None:
+            self._captured_target = self._detached
         stream = None
         if self._cuda:
             self._forget_done_events_across_capture()
             stream = self.first_stream if prefetch else self.gather_stream
         if self._tags is not None:
+            if capturing:
+                # Brings the gather stream into the capture before its first op, the count below, which every replay
+                # must run too (inside `torch.cuda.stream(gather_stream)` the current stream is not the capturing one).
+                self._forked.record(torch.cuda.current_stream(self.device))
+                self.gather_stream.wait_event(self._forked)
             with torch.cuda.stream(self.gather_stream) if self._cuda else _NOT_TRACED:
-                if self._cuda and torch.cuda.is_current_stream_capturing():
-                    # Brings the gather stream into the capture before its first op (the count below).
-                    self._forked.record(torch.cuda.current_stream(self.device))
-                    self.gather_stream.wait_event(self._forked)
                 self._tag_forward.add_(1)  # after the previous forward's check, on the same stream
             if prefetch and self._cuda:
                 self._counted.record(self.gather_stream)
@@ -420,17 +669,24 @@ class LayerGatherer:
 
     _tags: list[Tags] | None = None
 
-    def _check_tags(self, issued: int) -> None:
-        """Compare the tags of this forward's first `issued` gathers (all complete, or queued before
-        on the gather stream) with this rank's own, and fold a difference into the sticky flag."""
-        if self._tags is None or issued == 0:
+    def _check_tags(self, start: int, stop: int) -> None:
+        """Compare the tags of this forward's gathers at positions [start, stop) (all complete, or queued
+        before on the gather stream, or waited for by the compute stream) with this rank's own, and fold a
+        difference into the sticky flag."""
+        if self._tags is None or stop <= start:
             return
+        if self._cuda and self._draft_at is not None and stop > self._draft_at:
+            # The draft's tags come with gathers on other streams (the draft stream, maybe outside this graph), each
+            # waited for by the compute stream already: the check follows the compute stream.
+            self._forked.record(torch.cuda.current_stream(self.device))
+            self.gather_stream.wait_event(self._forked)
         with torch.cuda.stream(self.gather_stream) if self._cuda else _NOT_TRACED:
-            if self._cuda and self._first_prefetched:
+            if self._cuda and start == 0 and self._first_prefetched:
                 # The tags of a prefetched first gather are written on the first stream: wait for them.
                 self.gather_stream.wait_event(self._first_gathered)
-            torch.ne(self._tag_got[:issued], self._tag_expected[:issued], out=self._tag_diff[:issued])
-            torch.any(self._tag_diff[:issued], out=self._tag_any)
+            got, expected, diff = self._tag_got[start:stop], self._tag_expected[start:stop], self._tag_diff[start:stop]
+            torch.ne(got, expected, out=diff)
+            torch.any(diff, out=self._tag_any)
             torch.logical_or(self._tag_bad, self._tag_any, out=self._tag_bad)
             if self._cuda:
                 self._tag_bad_host.copy_(self._tag_bad, non_blocking=True)
