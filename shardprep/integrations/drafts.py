@@ -305,9 +305,12 @@ def model_draft_startup_line(binding: Binding, directory: str | Path, draft: Man
     figures = draft_account(draft, binding.gatherer.num_slots, target=target.without_draft())
     assert figures is not None
     layers = ", ".join(map(str, draft.draft.layers))
+    joined = binding.shards.manifest.draft
+    assert joined is not None
+    held = sum(binding.shards.chunk(i).numel() for i in joined.layers)  # read from the buffer itself
     group_ranks = torch.distributed.get_process_group_ranks(binding.gatherer.group)
     return (f"shardprep: DP rank {group_ranks[binding.shards.rank]} binds {draft.draft.describe()} of {directory}: "
             f"layers {layers} gathered after the target's layers (the first dispatched before the target's last layer "
-            "computes), into the target's slots; resident draft bytes "
-            f"{figures['resident_bytes']}, saved {figures['saved_bytes']} against {figures['sharded_bytes']} for its "
-            "full weights")
+            f"computes), into the target's slots; this rank holds {held} bytes of its chunks (R/N); resident draft "
+            f"bytes {figures['resident_bytes']}, saved {figures['saved_bytes']} against {figures['sharded_bytes']} "
+            "for its full weights")

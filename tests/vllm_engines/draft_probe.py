@@ -7,10 +7,15 @@ SHARDPREP_TEST_DRAFT_PROBE in a plan's environment the probe is installed: vLLM'
 (`DeepSeekMultiTokenPredictorLayer`, which runs `eh_proj`, the gathered `mtp_block` and the norms), DFlash's model
 (`DFlashQwen3Model`: its layers over the context K/V its fused projection wrote) and EAGLE-3's (`llama_eagle3.
 LlamaModel`: its midlayer and norm) then append, for every eager forward of an engine whose own `env` sets the
-variable to a path, one digest of the hidden states they return (their bytes) to `PATH.dpR` (R: the DP rank). Equal files for a full-mode and a sharded engine mean the draft
-computed the same values, bit for bit, at every pass, dummy passes of idle ranks included. A traced forward
+variable to a path, one digest of the hidden states they return (their bytes) to `PATH.dpR` (R: the DP rank).
+Equal files for a full-mode and a sharded engine mean the draft computed the same values, bit for bit, at every
+pass, dummy passes of idle ranks included. A traced forward
 (Dynamo) records nothing. Checked by hand once (DP=1, full mode, deepseek_mtp k=1): with the MTP layer's o_proj
 doubled in the checkpoint, the tokens and log-probabilities stayed equal and every digest changed.
+
+With SHARDPREP_TEST_UNBOUND_DRAFT=1 in an engine's `env`, sharded mode's draft-model load binds nothing
+(`drafts.bind_draft` returns no layer): what shardprep did before draft models had a record, when a converted DFlash
+draft ran on uninitialized weights with no error. The load check (integrations/load_check.py) must refuse it.
 
 Registered as a `vllm.general_plugins` entry point by `engine_runs.run_engines`.
 """
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 ENV = "SHARDPREP_TEST_DRAFT_PROBE"
+UNBOUND = "SHARDPREP_TEST_UNBOUND_DRAFT"
 ARMED = {ENV: ""}
 """A plan's `env`: the probe installed, recording in no engine unless a run's own `env` is `record(path)`."""
 NAME = "shardprep_draft_probe"
@@ -48,6 +54,21 @@ def register() -> None:
 
     for cls in (DeepSeekMultiTokenPredictorLayer, DFlashQwen3Model, Eagle3Model):
         _probe(cls)
+    _unbind_on_request()
+
+
+def _unbind_on_request() -> None:
+    from shardprep.integrations import drafts
+
+    bind_draft = drafts.bind_draft
+    if getattr(bind_draft, "_shardprep_probe", False):
+        return
+
+    def maybe_unbound(*args: Any, **kwargs: Any) -> Any:
+        return [] if os.environ.get(UNBOUND) == "1" else bind_draft(*args, **kwargs)
+
+    maybe_unbound._shardprep_probe = True  # type: ignore[attr-defined]
+    drafts.bind_draft = maybe_unbound  # type: ignore[assignment]
 
 
 def _probe(cls: Any) -> None:

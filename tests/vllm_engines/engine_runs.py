@@ -29,7 +29,8 @@ and worker processes, the path `vllm serve` takes; one DP=2 pair runs that way (
 PLAN: {"dp_size": N, "env" (optional: variables for every engine process), "engine_core" (optional: "process"
 for vLLM's engine-core processes), "runs": [{"name", "model" (a path,
 or one per DP rank), "llm" (LLM kwargs), "prompts" (one list per DP rank), "max_tokens" (one per DP rank), "env"
-(optional: variables set while this engine starts and runs)}]}.
+(optional: variables set while this engine starts and runs), "draft_model" (optional: one path per DP rank, the
+`speculative_config` model of that rank)}]}.
 RESULTS: {name: [per DP rank: {"tokens": [[ids] per prompt], "top2": [[[two best log-probabilities] per token]
 per prompt]} or {"error": "Type: message"}]}.
 Tests call `run_engines(plan, workdir)`, which runs this script in a subprocess and keeps everything it
@@ -145,13 +146,16 @@ def run_plan(plan: dict, dp_rank: int, ports: list[int], barrier) -> dict[str, d
     for port, run in zip(ports, plan["runs"]):
         os.environ["VLLM_DP_MASTER_PORT"] = str(port)
         model = run["model"] if isinstance(run["model"], str) else run["model"][dp_rank]
+        kwargs = dict(run["llm"])
+        if "draft_model" in run:  # each rank's draft directory, holding only its own rank file
+            kwargs["speculative_config"] = {**kwargs["speculative_config"], "model": run["draft_model"][dp_rank]}
         llm = None
         saved = {key: os.environ.get(key) for key in run.get("env", {})}
         os.environ.update(run.get("env", {}))
         reread_vllm_env()
         started = time.monotonic()
         try:
-            llm = LLM(model=model, **in_process_worker(run["llm"]), **run["llm"])
+            llm = LLM(model=model, **in_process_worker(kwargs), **kwargs)
             ready = time.monotonic()
             params = SamplingParams(temperature=0, max_tokens=run["max_tokens"][dp_rank], ignore_eos=True, logprobs=2)
             outputs = llm.generate(run["prompts"][dp_rank], params, use_tqdm=False)
