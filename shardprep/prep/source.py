@@ -19,7 +19,8 @@ from ..manifests.paths import is_safe_relpath
 from ..manifests.problems import quoted
 from ..manifests.safetensors_header import SafetensorsHeader
 from ..manifests.safetensors_header import read_safetensors_header as read_header_strictly
-from ..manifests.strict_json import read_json_file
+from ..manifests.strict_json import parse_json, read_capped, read_json_file
+from ..planning.config_figures import check_config_figures
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -73,7 +74,8 @@ class SourceCheckpoint:
 
     @property
     def config(self) -> dict[str, Any] | None:
-        """config.json as a dict (None when there is none); a file that is not a JSON object is a SourceError."""
+        """config.json as a dict (None when there is none); a file that is not a JSON object, or whose figures
+        no model has (`check_config_figures`), is a SourceError."""
         return read_config(self.root)
 
     def read_tensor(self, name: str) -> bytes:
@@ -119,7 +121,7 @@ def read_safetensors_header(path: str | Path, *, whole_file: bool = True) -> Saf
 
 def read_config(directory: Path) -> dict[str, Any] | None:
     """`directory`'s config.json as a dict, None when there is none; a file that is not a JSON object (or
-    is too large, or has bad JSON) is a SourceError naming it.
+    is too large, or has bad JSON, or figures no model has) is a SourceError naming it.
 
     >>> read_config(Path("out/"))["model_type"]  # doctest: +SKIP
     """
@@ -127,11 +129,30 @@ def read_config(directory: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        data = read_json_file(path, max_bytes=MAX_CONFIG_BYTES, what="config.json", allow_duplicate_keys=True)
+        raw = read_capped(path, max_bytes=MAX_CONFIG_BYTES, what="config.json")
+    except IntegrityError as exc:
+        raise SourceError(str(exc)) from None
+    return parse_config(raw, str(path))
+
+
+def parse_config(raw: bytes, where: str) -> dict[str, Any]:
+    """A config.json's bytes as a dict, checked: JSON (duplicate keys allowed, as transformers reads them), an
+    object, and sensible figures (`check_config_figures`); a SourceError naming `where` otherwise.
+
+    >>> parse_config(b'{"num_hidden_layers": 61}', "config.json")
+    {'num_hidden_layers': 61}
+    >>> parse_config(b'{"num_hidden_layers": -3}', "config.json")
+    Traceback (most recent call last):
+    ...
+    shardprep.errors.SourceError: config.json: num_hidden_layers is -3; a model's is a whole number from 1 to 10000
+    """
+    try:
+        data = parse_json(raw, where, allow_duplicate_keys=True)
     except IntegrityError as exc:
         raise SourceError(str(exc)) from None
     if not isinstance(data, dict):
-        raise SourceError(f"{path}: not a JSON object")
+        raise SourceError(f"{where}: not a JSON object")
+    check_config_figures(data, where)
     return data
 
 
