@@ -14,6 +14,21 @@ class SourceError(ShardprepError):
     """The source checkpoint is missing, unreadable or malformed."""
 
 
+class HubError(SourceError):
+    """The hub (or whatever answers at HF_ENDPOINT: a mirror, a proxy, a captive portal) cannot give what a hub
+    repo id needs, or answered out of bounds.
+
+    `reason` is a stable snake_case word for what happened (docs/reliability.md lists them: `offline`,
+    `dns`, `unreachable`, `timeout`, `gated`, `unauthorized`, `forbidden`, `repo_not_found`,
+    `revision_not_found`, `entry_not_found`, `rate_limited`, `server_error`, `broken_body`, `too_many_redirects`,
+    `too_large`, `out_of_range`, `encoded`, `not_a_hub`, `bad_answer`).
+    """
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class SelectionError(ShardprepError):
     """Target selection (globs, presets, layers, fused groups) is invalid or matches nothing."""
 

@@ -126,8 +126,9 @@ def test_a_config_field_of_the_wrong_type_is_one_line_naming_the_file(llama8, tm
     result = CliRunner().invoke(app, ["plan", str(src), "--ranks", "2", "--preset", "llama"])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines == [f"error: {src / 'config.json'}: cannot size the KV cache from it (invalid literal for int() "
-                     "with base 10: 'x')"]
+    # Refused where config.json is read (planning/config_figures.py), naming the field, before any figure uses it.
+    assert lines == [f"error: {src / 'config.json'}: num_key_value_heads is 'x'; a model's is a whole number from 1 "
+                     "to 65536"]
 
 
 def test_plan_and_inspect_refuse_what_convert_and_the_runtime_would(llama8, tmp_path):

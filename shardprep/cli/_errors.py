@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -28,12 +30,21 @@ def print_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def quiet_libraries() -> None:
+    """Silence huggingface_hub's log lines and warnings: its retry messages would surround shardprep's one line."""
+    logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL + 1)
+    warnings.filterwarnings("ignore", module="huggingface_hub")
+
+
 @contextmanager
 def cli_errors(report: Callable[[str], None] = print_error) -> Iterator[None]:
     """Turn ShardprepError (and common OS errors) into `error: ...` and exit code 2; --debug re-raises.
 
-    `report` says the message (default: prints `error: ...` on stderr).
+    `report` says the message (default: prints `error: ...` on stderr). Without --debug, the libraries beneath
+    (huggingface_hub) print nothing of their own: no warnings, no retry lines around the one line.
     """
+    if not debug_enabled():
+        quiet_libraries()
     try:
         yield
     except (ShardprepError, OSError) as exc:

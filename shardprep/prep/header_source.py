@@ -1,11 +1,17 @@
 """A checkpoint read from its headers alone: what `plan` and `convert --dry-run` need, without its weights.
 
 A local directory is read as `open_source` reads it (headers only, as always). A hub repo id is not
-downloaded: config.json and the index come through huggingface_hub's cache (`hf_hub_download`, kilobytes),
-and each safetensors file's header through HTTP range requests on the file's hub URL, as huggingface_hub's
-`get_safetensors_metadata` reads them (the first 100 kB, then the rest of a longer header). The rare
-tensor bytes a plan reads (a block-FP8 checkpoint's scales, to tell whether they are powers of two
-already) are fetched the same way, by range. The checkpoint counts what it fetched (`fetched_bytes`).
+downloaded: config.json and the index are fetched whole (each within its size cap) and each safetensors file's
+header by HTTP range requests on the file's hub URL, as huggingface_hub's `get_safetensors_metadata` reads them
+(the first 100 kB, then the rest of a longer header), all through `hub_http.py`'s bounded reads. The rare
+tensor bytes a plan reads (a block-FP8 checkpoint's scales, to tell whether they are powers of two already)
+are fetched the same way, by range. The checkpoint counts what it fetched (`fetched_bytes`). Nothing is
+written to the HF cache.
+
+The hub is untrusted input: the index's shard names are checked before any is fetched, config.json's figures
+before any arithmetic, and the first failed fetch stops the others (docs/reliability.md, "A hostile hub").
+Offline (HF_HUB_OFFLINE=1), or when the hub cannot be reached, a complete copy in the local HF cache is read
+instead; without one, that is one line at once.
 
 A checkpoint opened here has no data on disk: only a real `convert` downloads the weights.
 """
@@ -14,75 +20,155 @@ from __future__ import annotations
 
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
-from ..errors import IntegrityError, SourceError
+from ..errors import HubError, IntegrityError, SourceError
 from ..manifests.safetensors_header import MAX_HEADER_BYTES, SafetensorsHeader, parse_safetensors_header
-from .source import INDEX_NAME, REPO_ID, SINGLE_NAME, SourceCheckpoint, open_source, read_source_index, tensors_of
+from .hub_http import COMMIT, HubReader
+from .source import (
+    INDEX_NAME,
+    MAX_CONFIG_BYTES,
+    MAX_INDEX_BYTES,
+    SINGLE_NAME,
+    SourceCheckpoint,
+    check_shard_names,
+    hub_repo_id,
+    open_source,
+    parse_config,
+    parse_source_index,
+    read_source_index,
+    tensors_of,
+)
 
 FIRST_RANGE_BYTES = 100_000
 """The first read of a header: huggingface_hub's choice (97% of the hub's headers fit in it), one request per file."""
 PARALLEL_FETCHES = 8
+T = TypeVar("T")
 
 
 def open_headers(src: str | Path, revision: str | None = None) -> SourceCheckpoint:
     """The checkpoint at `src` from its headers alone: a local directory as `open_source` reads it, a hub repo
-    id by HTTP range requests, with no snapshot download.
+    id by bounded HTTP range requests, with no snapshot download.
 
     >>> ckpt = open_headers("deepseek-ai/DeepSeek-V3")  # doctest: +SKIP
     >>> ckpt.fetched_bytes()  # doctest: +SKIP
     """
-    text = str(src)
-    if Path(src).exists() or "\x00" in text or not REPO_ID.match(text) or text.startswith((".", "/")):
+    repo_id = hub_repo_id(src)
+    if repo_id is None:
         return open_source(src, revision)
-    return _open_hub_headers(text, revision)
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        cached = _cached_checkpoint(repo_id, revision)
+        if cached is None:
+            at = f" at revision {revision!r}" if revision else ""
+            raise HubError(f"{repo_id}: HF_HUB_OFFLINE is set and the local HF cache holds no complete copy of "
+                           f"it{at}; unset HF_HUB_OFFLINE to read its headers from the hub, or download it first",
+                           reason="offline")
+        return cached
+    reader = HubReader(repo_id)
+    try:
+        return _open_hub_headers(reader, revision)
+    except HubError as exc:
+        if exc.reason not in ("dns", "unreachable"):
+            raise
+        # No network, as hf_hub_download would: a complete copy in the cache serves instead.
+        cached = _cached_checkpoint(repo_id, revision)
+        if cached is None:
+            raise
+        return cached
+    finally:
+        reader.close()
+
+
+def _open_hub_headers(reader: HubReader, revision: str | None) -> SourceCheckpoint:
+    repo_id = reader.repo_id
+    config = reader.fetch("config.json", revision, cap=MAX_CONFIG_BYTES)
+    # Every later read asks for the commit this one resolved the revision to, so that all come from one commit.
+    index = reader.fetch(INDEX_NAME, config.commit if config and config.commit else revision, cap=MAX_INDEX_BYTES)
+    if config is None and index is None:
+        at = f" at revision {revision!r}" if revision else ""
+        raise SourceError(f"{repo_id}: no config.json and no {INDEX_NAME} on the hub{at}; is it a model repository?")
+    commit = next((b.commit for b in (config, index) if b is not None and b.commit), None)
+    if commit is None or not COMMIT.fullmatch(commit):
+        raise HubError(f"{repo_id}: the hub's answer names no commit (X-Repo-Commit"
+                       f"{'' if commit is None else ' is not a commit id'}), so its files cannot be read at one "
+                       f"commit: is HF_ENDPOINT ({reader.endpoint}) a Hugging Face hub?", reason="not_a_hub")
+    config_data = parse_config(config.data, f"{repo_id}/config.json") if config is not None else None
+    where = f"{repo_id}/{INDEX_NAME}"
+    weight_map, metadata = parse_source_index(index.data, where) if index is not None else (None, {})
+    names = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_NAME]
+    check_shard_names(names, where)  # before a single shard is asked for
+    fetcher = _Fetcher(reader, commit, has_index=index is not None)
+    headers = _all_or_first_failure(fetcher.header, names)
+    root = Path(repo_id)  # no directory: where messages say the files are
+    files, tensors = tensors_of(root, names, headers.__getitem__, weight_map)
+    return SourceCheckpoint(root, files, tensors, [], repo_id, revision, commit, metadata,
+                            read_range=fetcher.tensor_bytes, fetched_bytes=lambda: reader.fetched_bytes,
+                            remote_config=config_data)
+
+
+def _all_or_first_failure(fetch: Callable[[str], T], names: list[str]) -> dict[str, T]:
+    """`fetch` of every name, PARALLEL_FETCHES at a time; the first failure cancels every fetch not yet started
+    (a hub that fails each one must not be asked 163 times, a timeout at a time), then is raised."""
+    failed = threading.Event()
+
+    def fetch_unless_failed(name: str) -> T:
+        if failed.is_set():  # a worker freed by a failure takes no new name before the cancel below
+            raise _Skipped(name)
+        try:
+            return fetch(name)
+        except BaseException:
+            failed.set()
+            raise
+
+    pool = ThreadPoolExecutor(PARALLEL_FETCHES)
+    futures = []
+    try:
+        futures = [pool.submit(fetch_unless_failed, name) for name in names]
+        wait(futures, return_when=FIRST_EXCEPTION)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # after it, every future not cancelled is done
+    for future in futures:
+        error = None if future.cancelled() else future.exception()
+        if error is not None and not isinstance(error, _Skipped):
+            raise error
+    return {name: future.result() for name, future in zip(names, futures)}
+
+
+class _Skipped(Exception):
+    """A fetch not started, because another one had failed."""
 
 
 class _Fetcher:
-    """Range reads of one repo's files at one commit, counted."""
+    """Range reads of one repo's files at one commit."""
 
-    def __init__(self, repo_id: str, commit: str) -> None:
-        from huggingface_hub import hf_hub_url
-        from huggingface_hub.utils import build_hf_headers
-
-        self.repo_id, self.commit = repo_id, commit
-        self._url = lambda name: hf_hub_url(repo_id, name, revision=commit)
-        self._headers = build_hf_headers()
-        self._lock = threading.Lock()
-        self.bytes = 0
-
-    def count(self, n: int) -> None:
-        with self._lock:
-            self.bytes += n
+    def __init__(self, reader: HubReader, commit: str, *, has_index: bool) -> None:
+        self.reader, self.commit, self.has_index = reader, commit, has_index
 
     def read(self, name: str, start: int, nbytes: int) -> tuple[bytes, int | None]:
-        """`nbytes` from `start` of file `name` (fewer at its end), and the file's size from Content-Range."""
-        from huggingface_hub import get_session
-        from huggingface_hub.utils import hf_raise_for_status
-
-        try:
-            response = get_session().get(self._url(name), headers={
-                **self._headers, "Range": f"bytes={start}-{start + nbytes - 1}"}, follow_redirects=True)
-            hf_raise_for_status(response)
-        except Exception as exc:  # httpx's and huggingface_hub's errors: one line naming the file
-            raise SourceError(f"{self.repo_id}/{name}: cannot read from the hub: {str(exc).splitlines()[0]}") from None
-        data = response.content
-        self.count(len(data))
-        if response.status_code != 206 and start:
-            raise SourceError(f"{self.repo_id}/{name}: the hub answered a range request with the whole file")
-        total = response.headers.get("Content-Range", "").rpartition("/")[2]
-        size = int(total) if total.isdigit() else (len(data) if response.status_code == 200 else None)
-        return data[:nbytes], size
+        """`nbytes` from `start` of file `name` (fewer at its end), and the file's size where the hub says it."""
+        body = self.reader.fetch(name, self.commit, first=start, nbytes=nbytes)
+        if body is None:
+            repo = self.reader.repo_id
+            if self.has_index:
+                raise SourceError(f"{repo}/{INDEX_NAME}: names shard {name!r}, which the hub does not have")
+            raise SourceError(f"{repo}: no {INDEX_NAME} and no {SINGLE_NAME} on the hub")
+        return body.data, body.size
 
     def tensor_bytes(self, name: str, start: int, nbytes: int) -> bytes:
         data, _ = self.read(name, start, nbytes)
         if len(data) != nbytes:
-            raise SourceError(f"{self.repo_id}/{name}: {len(data)} bytes at {start} from the hub, expected {nbytes}")
+            raise SourceError(f"{self.reader.repo_id}/{name}: {len(data)} bytes at {start} from the hub, expected "
+                              f"{nbytes}")
         return data
 
     def header(self, name: str) -> SafetensorsHeader:
-        where = f"{self.repo_id}/{name}"
+        where = f"{self.reader.repo_id}/{name}"
         first, size = self.read(name, 0, FIRST_RANGE_BYTES)
         if len(first) < 8 or size is None:
             raise SourceError(f"{where}: truncated safetensors file, or the hub gave no size for it")
@@ -98,39 +184,27 @@ class _Fetcher:
             raise SourceError(str(exc)) from None
 
 
-def _download(repo_id: str, name: str, revision: str | None) -> Path | None:
-    """One small file through huggingface_hub's cache; None when the repo has no such file."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
-    from huggingface_hub.utils import HfHubHTTPError
+def _cached_checkpoint(repo_id: str, revision: str | None) -> SourceCheckpoint | None:
+    """The repo's snapshot in the local HF cache, read as a local directory, when it holds every file the
+    headers come from; None otherwise (a cache holding config.json alone cannot answer for the shards)."""
+    from huggingface_hub import try_to_load_from_cache
 
-    try:
-        return Path(hf_hub_download(repo_id, name, revision=revision))
-    except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: offline, not absent
-        raise SourceError(f"{repo_id}: not in the local HF cache and the hub cannot be reached "
-                          "(HF_HUB_OFFLINE is set or no network); download it first") from None
-    except EntryNotFoundError:
+    snapshot = None
+    for name in ("config.json", INDEX_NAME, SINGLE_NAME):
+        try:
+            found = try_to_load_from_cache(repo_id, name, revision=revision)
+        except ValueError:  # not a repo id huggingface_hub accepts
+            return None
+        if isinstance(found, str):
+            snapshot = Path(found).parent
+            break
+    if snapshot is None:
         return None
-    except RepositoryNotFoundError:
-        raise SourceError(f"{repo_id}: no such repository on the hub (or it is private)") from None
-    except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise SourceError(f"{repo_id}: cannot fetch {name} from the hub: {str(exc).splitlines()[0]}") from None
-
-
-def _open_hub_headers(repo_id: str, revision: str | None) -> SourceCheckpoint:
-    config = _download(repo_id, "config.json", revision)
-    index = _download(repo_id, INDEX_NAME, revision)
-    if config is None and index is None:
-        raise SourceError(f"{repo_id}: no config.json and no {INDEX_NAME} on the hub")
-    # The cache lays a snapshot out as snapshots/<commit>/: the commit the revision resolved to, which every
-    # later range read asks for, so that all the headers come from one commit.
-    root = (config or index).parent  # type: ignore[union-attr]
-    fetcher = _Fetcher(repo_id, root.name)
-    fetcher.count(sum(p.stat().st_size for p in (config, index) if p is not None))
-    weight_map, metadata = read_source_index(index) if index is not None else (None, {})
-    names = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_NAME]
-    with ThreadPoolExecutor(PARALLEL_FETCHES) as pool:
-        headers = dict(zip(names, pool.map(fetcher.header, names)))
-    files, tensors = tensors_of(root, names, headers.__getitem__, weight_map)
-    return SourceCheckpoint(root, files, tensors, [], repo_id, revision, root.name, metadata,
-                            read_range=fetcher.tensor_bytes, fetched_bytes=lambda: fetcher.bytes)
+    if (snapshot / INDEX_NAME).is_file():
+        names = sorted(set(read_source_index(snapshot / INDEX_NAME)[0].values()))
+        check_shard_names(names, str(snapshot / INDEX_NAME))
+    else:
+        names = [SINGLE_NAME]
+    if not all((snapshot / name).is_file() for name in names):
+        return None
+    return replace(open_source(snapshot), repo_id=repo_id, revision=revision, commit=snapshot.name)

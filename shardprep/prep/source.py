@@ -6,7 +6,6 @@ file at the offsets recorded in `SourceTensor`.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +18,8 @@ from ..manifests.paths import is_safe_relpath
 from ..manifests.problems import quoted
 from ..manifests.safetensors_header import SafetensorsHeader
 from ..manifests.safetensors_header import read_safetensors_header as read_header_strictly
-from ..manifests.strict_json import read_json_file
+from ..manifests.strict_json import parse_json, read_capped
+from ..planning.config_figures import check_config_figures
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -70,10 +70,15 @@ class SourceCheckpoint:
     """For a checkpoint read from its headers alone (`header_source.py`): reads (file, start, nbytes) remotely."""
     fetched_bytes: Callable[[], int] | None = None
     """For a checkpoint read from its headers alone: the bytes fetched from the hub so far."""
+    remote_config: dict[str, Any] | None = None
+    """For a checkpoint read from its headers alone: its config.json, fetched and checked (None: it has none)."""
 
     @property
     def config(self) -> dict[str, Any] | None:
-        """config.json as a dict (None when there is none); a file that is not a JSON object is a SourceError."""
+        """config.json as a dict (None when there is none); a file that is not a JSON object, or whose figures
+        no model has (`check_config_figures`), is a SourceError."""
+        if self.read_range is not None:
+            return self.remote_config
         return read_config(self.root)
 
     def read_tensor(self, name: str) -> bytes:
@@ -119,7 +124,7 @@ def read_safetensors_header(path: str | Path, *, whole_file: bool = True) -> Saf
 
 def read_config(directory: Path) -> dict[str, Any] | None:
     """`directory`'s config.json as a dict, None when there is none; a file that is not a JSON object (or
-    is too large, or has bad JSON) is a SourceError naming it.
+    is too large, or has bad JSON, or figures no model has) is a SourceError naming it.
 
     >>> read_config(Path("out/"))["model_type"]  # doctest: +SKIP
     """
@@ -127,11 +132,30 @@ def read_config(directory: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        data = read_json_file(path, max_bytes=MAX_CONFIG_BYTES, what="config.json", allow_duplicate_keys=True)
+        raw = read_capped(path, max_bytes=MAX_CONFIG_BYTES, what="config.json")
+    except IntegrityError as exc:
+        raise SourceError(str(exc)) from None
+    return parse_config(raw, str(path))
+
+
+def parse_config(raw: bytes, where: str) -> dict[str, Any]:
+    """A config.json's bytes as a dict, checked: JSON (duplicate keys allowed, as transformers reads them), an
+    object, and sensible figures (`check_config_figures`); a SourceError naming `where` otherwise.
+
+    >>> parse_config(b'{"num_hidden_layers": 61}', "config.json")
+    {'num_hidden_layers': 61}
+    >>> parse_config(b'{"num_hidden_layers": -3}', "config.json")
+    Traceback (most recent call last):
+    ...
+    shardprep.errors.SourceError: config.json: num_hidden_layers is -3; a model's is a whole number from 1 to 10000
+    """
+    try:
+        data = parse_json(raw, where, allow_duplicate_keys=True)
     except IntegrityError as exc:
         raise SourceError(str(exc)) from None
     if not isinstance(data, dict):
-        raise SourceError(f"{path}: not a JSON object")
+        raise SourceError(f"{where}: not a JSON object")
+    check_config_figures(data, where)
     return data
 
 
@@ -145,41 +169,81 @@ class ResolvedSource:
     commit: str | None
 
 
+def hub_repo_id(src: str | Path) -> str | None:
+    """`src` as a hub repo id, or None when it names a local path.
+
+    A local path is never taken for a hub id: a `Path`, a name that starts with `.`, `/` or `~`, one whose first
+    component exists here (`examples/tiny-deepsek-fp8` where `examples/` does), and one that is not a repo id's
+    shape are paths.
+
+    >>> hub_repo_id("deepseek-ai/DeepSeek-V3"), hub_repo_id("./DeepSeek-V3"), hub_repo_id("~/models/x")
+    ('deepseek-ai/DeepSeek-V3', None, None)
+    """
+    text = str(src)
+    if isinstance(src, Path) or "\x00" in text or text.startswith((".", "/", "~")) or not REPO_ID.match(text):
+        return None
+    if Path(text).exists() or Path(text.split("/")[0]).exists():
+        return None
+    return text
+
+
 def resolve_source(src: str | Path, revision: str | None = None) -> ResolvedSource:
     """A local directory, or a hub repo id resolved through huggingface_hub's cache.
 
     For a repo id, `revision` is what the user typed (a branch, tag, commit, or None for the default
     branch) and `commit` the snapshot it resolved to. HF_HUB_OFFLINE=1 is honoured: the snapshot must
-    then already be in the cache.
+    then already be in the cache. What is a path and what a repo id: `hub_repo_id`.
 
     >>> resolve_source("my-model/")  # doctest: +SKIP
     """
     text = str(src)
     if "\x00" in text:
         raise SourceError(f"{quoted(text)}: a path cannot contain a NUL byte")
-    path = Path(src)
-    if path.exists():
+    repo_id = hub_repo_id(src)
+    if repo_id is None:
+        path = Path(src).expanduser()
+        if not path.exists():
+            raise SourceError(f"{src}: no such directory{_why_a_path(text)}")
         if not path.is_dir():
             raise SourceError(f"{path}: is a file; SRC must be a model directory or a hub repo id")
         return ResolvedSource(path, None, revision, None)
-    if not REPO_ID.match(text) or text.startswith((".", "/")):
-        raise SourceError(f"{src}: no such directory (and not a hub repo id)")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.utils import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     patterns = ["*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.py", "*.jinja", "*.md"]
     try:
-        local = snapshot_download(text, revision=revision, allow_patterns=patterns)
+        local = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except LocalEntryNotFoundError:
         raise SourceError(f"{src}: not in the local HF cache and the hub cannot be reached "
                           "(HF_HUB_OFFLINE is set or no network); download it first") from None
+    except GatedRepoError:  # a subclass of RepositoryNotFoundError: the repo exists, the token cannot read it
+        raise SourceError(f"{src}: a gated repository: ask for access on its hub page, then set HF_TOKEN (or run "
+                          "`hf auth login`) to a token of that account") from None
     except RepositoryNotFoundError:
         raise SourceError(f"{src}: no such repository on the hub (or it is private)") from None
-    except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise SourceError(f"{src}: cannot fetch from the hub: {str(exc).splitlines()[0]}") from None
+    except RevisionNotFoundError:
+        raise SourceError(f"{src}: the hub has no revision {revision!r}") from None
+    except Exception as exc:  # whatever the HTTP library beneath raises: its kinds vary by version
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise SourceError(f"{src}: cannot fetch from the hub: {type(exc).__name__}: {first}") from None
     local_path = Path(local)
     # The cache lays a snapshot out as snapshots/<commit>: the commit actually used, whatever ref was typed.
     return ResolvedSource(local_path, text, revision, local_path.name)
+
+
+def _why_a_path(text: str) -> str:
+    """Why a missing SRC was read as a path: said, so that a mistyped directory is not taken for a hub id."""
+    first = text.split("/")[0]
+    if not REPO_ID.match(text) and not text.startswith((".", "/", "~")):
+        return " (and not a hub repo id)"
+    if "/" in text and first and Path(first).exists():
+        return f" ({first}/ exists here, so SRC is a local path, not a hub repo id)"
+    return ""
 
 
 def source_boundary(root: Path) -> Path:
@@ -267,13 +331,11 @@ def tensors_of(root: Path, names: list[str], header_of: Callable[[str], Safetens
     >>> files, tensors = tensors_of(root, ["model.safetensors"], header_of, None)  # doctest: +SKIP
     """
     where = root / INDEX_NAME
+    check_shard_names(names, str(where))
     files: dict[str, SourceFile] = {}
     tensors: dict[str, SourceTensor] = {}
     for name in names:
         path = root / name
-        # Hub snapshots are symlinks into blobs/, so only the name is checked here, not where it resolves.
-        if not is_safe_relpath(name) or not Path(os.path.normpath(path)).is_relative_to(os.path.normpath(root)):
-            raise SourceError(f"{where}: shard {quoted(name)} is outside the model directory")
         header = header_of(name)
         files[name] = SourceFile(name, path, header.file_size, list(header.tensors), header.metadata)
         for tname, info in header.tensors.items():
@@ -292,19 +354,50 @@ def tensors_of(root: Path, names: list[str], header_of: Callable[[str], Safetens
     return files, tensors
 
 
+def check_shard_names(names: list[str], where: str) -> None:
+    """Refuse an index naming a shard outside the model directory (`../x`, `/etc/x`, `a\\b`), before any of
+    them is read or fetched; `where` is the index, for the message.
+
+    Hub snapshots are symlinks into blobs/, so only the name is checked here, not where it resolves.
+
+    >>> check_shard_names(["model-00001-of-00002.safetensors"], "index.json")
+    >>> check_shard_names(["../../etc/passwd"], "index.json")
+    Traceback (most recent call last):
+    ...
+    shardprep.errors.SourceError: index.json: shard '../../etc/passwd' is outside the model directory
+    """
+    for name in names:
+        if not is_safe_relpath(name):
+            raise SourceError(f"{where}: shard {quoted(name)} is outside the model directory")
+
+
 def read_source_index(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
     """A checkpoint's safetensors index: its weight map (tensor → file) and its metadata, checked.
 
     >>> weight_map, metadata = read_source_index(Path("my-model/model.safetensors.index.json"))  # doctest: +SKIP
     """
     try:
-        index = read_json_file(path, max_bytes=MAX_INDEX_BYTES, what="safetensors index")
+        raw = read_capped(path, max_bytes=MAX_INDEX_BYTES, what="safetensors index")
+    except IntegrityError as exc:
+        raise SourceError(str(exc)) from None
+    return parse_source_index(raw, str(path))
+
+
+def parse_source_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """A safetensors index's bytes as its weight map (tensor → file) and its metadata, checked; a SourceError
+    naming `where` otherwise.
+
+    >>> parse_source_index(b'{"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}', "index.json")
+    ({'lm_head.weight': 'model-00001-of-00002.safetensors'}, {})
+    """
+    try:
+        index = parse_json(raw, where)
     except IntegrityError as exc:
         raise SourceError(str(exc)) from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     metadata = (index.get("metadata") if isinstance(index, dict) else None) or {}
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise SourceError(f"{path}: not a valid safetensors index (needs a 'weight_map' of tensor name → file name)")
+        raise SourceError(f"{where}: not a valid safetensors index (needs a 'weight_map' of tensor name → file name)")
     if not isinstance(metadata, dict):
-        raise SourceError(f"{path}: not a valid safetensors index ('metadata' must be an object)")
+        raise SourceError(f"{where}: not a valid safetensors index ('metadata' must be an object)")
     return weight_map, metadata
