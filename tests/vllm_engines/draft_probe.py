@@ -22,6 +22,7 @@ Registered as a `vllm.general_plugins` entry point by `engine_runs.run_engines`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -52,8 +53,9 @@ def register() -> None:
     from vllm.model_executor.models.llama_eagle3 import LlamaModel as Eagle3Model
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
 
-    for cls in (DeepSeekMultiTokenPredictorLayer, DFlashQwen3Model, Eagle3Model):
-        _probe(cls)
+    _probe(DeepSeekMultiTokenPredictorLayer, dummy_digests=True)
+    for cls in (DFlashQwen3Model, Eagle3Model):
+        _probe(cls, dummy_digests=False)
     _unbind_on_request()
 
 
@@ -71,19 +73,28 @@ def _unbind_on_request() -> None:
     drafts.bind_draft = maybe_unbound  # type: ignore[assignment]
 
 
-def _probe(cls: Any) -> None:
+def _probe(cls: Any, dummy_digests: bool) -> None:
+    """Record `cls.forward`'s digests; with `dummy_digests` False, a dummy pass (vLLM's `dummy_run`: no attention
+    metadata) records `dummy` instead: a DFlash or EAGLE-3 dummy pass reads the proposer's buffers as a real pass left
+    them, or as allocated (seen: the same engine twice at DP=1 gives equal digests, but an idle DP rank's dummy pass
+    differs from run to run), so only its place in the sequence of passes is compared."""
     import torch
+    from vllm.forward_context import get_forward_context
 
     forward = cls.forward
     if getattr(forward, "_shardprep_probe", False):
         return
 
+    # wraps: vLLM reads the forward's signature (`support_torch_compile`'s dynamic dimensions, a subclass's too)
+    @functools.wraps(forward)
     def probed(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = forward(self, *args, **kwargs)
         if torch.compiler.is_compiling() or not os.environ.get(ENV):
             return out
         hidden = out[0] if isinstance(out, tuple) else out
         digest = hashlib.sha256(hidden.detach().float().cpu().numpy().tobytes()).hexdigest()[:16]
+        if not dummy_digests and get_forward_context().attn_metadata is None:
+            digest = "dummy"
         with open(f"{os.environ[ENV]}.dp{os.environ.get('VLLM_DP_RANK', '0')}", "a") as f:
             f.write(digest + "\n")
         return out

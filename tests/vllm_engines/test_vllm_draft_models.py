@@ -83,8 +83,8 @@ def test_sharded_draft_model_equals_full_mode_in_tokens_and_in_what_the_draft_co
     check_same_per_rank(results, f"{method} full", f"{method} sharded", PROMPTS, MAX_TOKENS)
     for rank in range(2):
         full = digests(root / f"digest {method} full", rank)
-        assert len(full) >= 2, (rank, full)  # it ran, at every step, idle rank's dummy passes included
-        assert digests(root / f"digest {method} sharded", rank) == full, rank
+        assert len([d for d in full if d != "dummy"]) >= 2, (rank, full)  # it proposed, at every step
+        assert digests(root / f"digest {method} sharded", rank) == full, rank  # dummy passes in the same places
 
 
 @pytest.mark.parametrize("method", ["dflash", "eagle3"])

@@ -44,7 +44,7 @@ SHARDPREP = {**LLM, "load_format": "shardprep"}
 SHARDED = {**SHARDPREP, "model_loader_extra_config": {"shard_weights": True}}
 PROMPTS = ["hello world", "the model shard weights", "a b c d e f"]
 LAYERS = 3
-AMX = torch.cpu._is_amx_tile_supported()  # the check compat.request_amx_tile_state makes
+AMX = torch.cpu._is_amx_tile_supported()  # the check cpu_workarounds.request_amx_tile_state makes
 
 
 def uneven_load() -> tuple[list[list[str]], list[int]]:

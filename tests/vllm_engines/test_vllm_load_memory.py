@@ -122,7 +122,7 @@ def test_sharded_construction_gives_fp8_targets_no_storage(fp8_loads):
 
 
 def test_targets_are_recognised_by_layer_and_name_inside_the_layer_as_bind_finds_them(tmp_path, checkpoint_cache):
-    from shardprep.integrations.vllm.model_loader import bound_later
+    from shardprep.integrations.sharded_load import bound_later
     from shardprep.manifests import load_manifest
 
     out = tmp_path / "out"

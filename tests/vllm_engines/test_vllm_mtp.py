@@ -48,7 +48,7 @@ PROMPTS = ["hello world", "the model shard weights"]
 EVEN_PROMPTS = [["hello world"], ["the model shard weights"]]  # one request per rank, as many tokens
 
 
-AMX = torch.cpu._is_amx_tile_supported()  # the check compat.request_amx_tile_state makes
+AMX = torch.cpu._is_amx_tile_supported()  # the check cpu_workarounds.request_amx_tile_state makes
 
 
 def mtp(llm: dict, k: int) -> dict:
