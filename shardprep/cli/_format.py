@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from ..planning.accounting import human_bytes as human_bytes  # one byte formatter for the library and the CLI
+from ..planning.expert_parallel import GPU_HBM_GB
 
 # Options that several commands take, declared once so that their checks and help agree.
 NumSlots = Annotated[int, typer.Option(min=1, metavar="N", help="Gather slots the runtime keeps.")]
@@ -21,8 +22,8 @@ ContextLen = Annotated[int, typer.Option(
 HbmGb = Annotated[float | None, typer.Option(
     metavar="GB", help="HBM per GPU in GB (10^9 bytes); default 141 (an H200), or give --gpu.")]
 Gpu = Annotated[str | None, typer.Option(
-    metavar="NAME", help="The GPU, for its HBM instead of --hbm-gb: h100 (80 GB), h200 (141), b200 (192), b300, "
-    "a100, h20, mi300x, ... (expert_parallel.GPU_HBM_GB).")]
+    metavar="NAME", help="The GPU, for its HBM instead of --hbm-gb, in GB: "
+    + ", ".join(f"{name} {gb:g}" for name, gb in GPU_HBM_GB.items()) + ".")]
 Ep = Annotated[int, typer.Option(
     "--ep", min=1, metavar="E", help="Expert-parallel ranks each MoE layer's routed experts are split over, as "
     "vLLM and SGLang place them (default 1: every GPU holds every expert).")]

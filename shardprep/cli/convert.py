@@ -11,6 +11,7 @@ from ..prep.convert import ConvertSummary, CopyMode
 from ..prep.requant_jobs import RequantMode, RequantRecipe, RequantScope, ScaleFormat
 from ._errors import cli_errors, stop_signals_interrupt
 from ._format import ChunkAlignment, byte_progress, draft_line, human_bytes, print_json, rank_files_phrase
+from ._help import Debug
 
 
 def convert_command(
@@ -33,7 +34,8 @@ def convert_command(
     = None,
     copy_mode: Annotated[CopyMode, typer.Option(help="auto: hard-link unchanged files when possible.")]
     = CopyMode.AUTO,
-    overwrite: Annotated[bool, typer.Option(help="Replace a previous output in OUT (atomically).")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a previous output in OUT (atomically).")]
+    = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the selection and the sizes; write nothing.")]
     = False,
     requant: Annotated[RequantMode, typer.Option(help="Requantize block-FP8 weights to UE8M0 (power-of-two) "
@@ -44,7 +46,8 @@ def convert_command(
                                                                "vLLM's.")] = RequantRecipe.SGLANG,
     scale_format: Annotated[ScaleFormat, typer.Option(help="f32: power-of-two float32 weight_scale_inv; e8m0: "
                                                            "F8_E8M0 tensors.")] = ScaleFormat.F32,
-    allow_nonfinite: Annotated[bool, typer.Option(help="Requantize weights with inf/nan instead of refusing.")]
+    allow_nonfinite: Annotated[bool, typer.Option("--allow-nonfinite", help="Requantize weights with inf/nan "
+                                                                        "instead of refusing.")]
     = False,
     device: Annotated[str, typer.Option(metavar="DEVICE", help="Device for requantization: cpu or cuda.")]
     = "cpu",
@@ -53,6 +56,7 @@ def convert_command(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary "
                                                           "(schema shardprep/convert-summary/1).")] = False,
+    debug: Debug = False,
 ) -> None:
     """Convert a HF safetensors checkpoint into per-rank flat chunks plus a manifest."""
     from ..prep.convert import convert

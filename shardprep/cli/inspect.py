@@ -25,6 +25,7 @@ from ._format import (
     kinds_text,
     print_json,
 )
+from ._help import Debug
 
 
 def _checked_with_line(info: dict) -> str:
@@ -49,6 +50,7 @@ def inspect_command(
     tp: Tp = 1,
     json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON (schema shardprep/inspect/1).")]
     = False,
+    debug: Debug = False,
 ) -> None:
     """Show each layer's entries, |T| and C, and per rank what sharding saves and the KV cache it buys."""
     from ..planning.expert_parallel import hbm_bytes

@@ -28,6 +28,7 @@ from ._format import (
     parse_token_counts,
     print_json,
 )
+from ._help import Debug
 from ._output_file import replaced_on_success
 from .run import Backend
 
@@ -82,6 +83,7 @@ def plan_command(
     trace: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Also write the predicted per-layer schedule (compute, gathers, waits) as a Chrome "
                              "trace JSON for ui.perfetto.dev or chrome://tracing (needs --profile).")] = None,
+    debug: Debug = False,
 ) -> None:
     """Per rank: memory saved, the KV-cache tokens and requests it buys, the startup peak; per layer: gather
     against compute; the layers to shard and the `convert --layers` argument; a one-line verdict."""

@@ -8,12 +8,14 @@ import typer
 
 from ._errors import cli_errors
 from ._format import print_json
+from ._help import Debug
 
 SCHEMA = "shardprep/presets/1"
 
 
 def presets_command(
     json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+    debug: Debug = False,
 ) -> None:
     """List the built-in presets (for `convert --preset NAME`): globs, fused views, servers checked with."""
     from ..prep.selection import QUANTIZED_WEIGHTS, builtin_presets, load_preset

@@ -12,6 +12,7 @@ import typer
 
 from ._errors import cli_errors
 from ._format import parse_token_counts, print_json
+from ._help import Debug
 from ._output_file import replaced_on_success
 from .run import Backend, Device
 
@@ -45,6 +46,7 @@ def profile_command(
     trace: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Also write rank 0's torch.profiler trace of one sharded step per token count (Chrome "
                              "trace JSON for ui.perfetto.dev or chrome://tracing).")] = None,
+    debug: Debug = False,
 ) -> None:
     """Time each layer's compute (replicated weights, in CUDA-graph replays on CUDA), each backend's gathers and
     the HBM interference between them, on the real model bound to the real GPUs; write them for

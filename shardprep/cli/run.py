@@ -14,6 +14,7 @@ import typer
 
 from ._errors import EXIT_ERROR, cli_errors, print_error
 from ._format import human_bytes
+from ._help import Debug, PlainHelpCommand
 
 if TYPE_CHECKING:
     from ..standalone.runner import RunReport
@@ -61,7 +62,7 @@ def run_command(
                                                      help="Prompt; repeatable. Prompt i runs on rank i mod W "
                                                           "(W = M·P ranks).")]
     = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-k", min=1,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-k", min=1, metavar="K",
                                                 help="Tokens to generate greedily (causal LMs).")] = 16,
     device: Annotated[Device, typer.Option(help="cpu: gloo; cuda: one GPU per local rank.")] = Device.AUTO,
     backend: Annotated[Backend, typer.Option(help="Gather backend (auto picks the best that works).")]
@@ -72,6 +73,7 @@ def run_command(
                                                           "(schema shardprep/run-report/1).")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Let transformers run model code "
                                                                                 "shipped in DIR.")] = False,
+    debug: Debug = False,
 ) -> None:
     """Run prompts on ranks in shard groups of N from a pre-sharded directory; rank 0 prints the generated text."""
     from ..standalone.runner import DEFAULT_PROMPT, RunOptions, is_torchrun_worker, run
@@ -132,5 +134,5 @@ def print_report(report: RunReport, as_json: bool) -> None:
 def main() -> None:
     """`python -m shardprep.run DIR ...` (what torchrun starts): the options of `shardprep run`."""
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(run_command)
+    app.command(cls=PlainHelpCommand)(run_command)
     app()

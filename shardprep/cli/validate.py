@@ -10,6 +10,7 @@ import typer
 
 from ._errors import EXIT_ERROR, EXIT_INVALID, cli_errors
 from ._format import human_bytes, print_json
+from ._help import Debug
 
 if TYPE_CHECKING:
     from ..prep.validate import ValidationReport
@@ -23,13 +24,14 @@ def validate_command(
         "--manifest-only", help="Check the manifest alone (no weight bytes): schema, its own checksum, layout, "
                                 "the rank header it implies, names and paths; with --source, against the "
                                 "source's headers only.")] = False,
-    source: Annotated[str | None, typer.Option(help="Also rebuild every target and compare with this source "
-                                                    "(a directory or a hub repo id); with --manifest-only, "
-                                                    "compare with its headers.")] = None,
-    revision: Annotated[str | None, typer.Option(help="Hub revision of --source (default: the commit the "
-                                                      "manifest records).")] = None,
+    source: Annotated[str | None, typer.Option(
+        metavar="SRC", help="Also rebuild every target and compare with this source (a directory or a hub repo id); "
+                            "with --manifest-only, compare with its headers.")] = None,
+    revision: Annotated[str | None, typer.Option(
+        metavar="REV", help="Hub revision of --source (default: the commit the manifest records).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable report (a list of them "
                                                           "for several paths).")] = False,
+    debug: Debug = False,
 ) -> None:
     """Check a converted directory: schema, layout invariants, file sizes, headers, padding, every checksum;
     or, with --manifest-only, manifests alone (no weight bytes)."""
