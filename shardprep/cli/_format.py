@@ -34,18 +34,31 @@ Dp = Annotated[int | None, typer.Option(
     "group, W = N).")]
 GpusPerNode = Annotated[int, typer.Option(
     "--gpus-per-node", min=1, metavar="G", help="GPUs (ranks) per node: a shard group should stay inside one.")]
+AllowPresetMismatch = Annotated[bool, typer.Option(
+    "--allow-preset-mismatch", help="Use --preset on a checkpoint of a model type it is not for, or where it selects "
+    "under half of what that type's preset does (refused otherwise).")]
 ChunkAlignment = Annotated[str, typer.Option(
     metavar="auto|none|SIZE", help="C is a multiple of this and chunks start on it (SIZE like 2MiB, for the "
     "zero-copy runtime); auto: 2MiB when its padding costs <= 1% of Σ|T| per rank, else none (16 bytes).")]
 
 
-def kinds_text(kinds: dict[str, int]) -> str:
-    """One layer's target bytes by kind, for a table cell.
+def kind_runs(kinds_by_layer: dict[int, dict[str, int]]) -> list[str]:
+    """Which kinds of target each layer holds, one line per run of consecutive layers holding the same kinds (the
+    bytes per kind are in `kind_totals_line`): a table cell of them per layer would not fit 80 columns.
 
-    >>> kinds_text({"KDA": 53248, "MoE periphery": 18432})
-    'KDA 52.00 KiB + MoE periphery 18.00 KiB'
+    >>> kind_runs({1: {"MLA": 8, "MoE periphery": 4}, 2: {"MLA": 8, "MoE periphery": 4}, 3: {"KDA": 2}})
+    ['targets of layers 1-2: MLA + MoE periphery', 'targets of layer 3: KDA']
     """
-    return " + ".join(f"{kind} {human_bytes(size)}" for kind, size in kinds.items())
+    runs: list[tuple[list[int], tuple[str, ...]]] = []
+    for layer, kinds in sorted(kinds_by_layer.items()):
+        names = tuple(kinds)
+        if runs and runs[-1][1] == names and runs[-1][0][-1] == layer - 1:
+            runs[-1][0].append(layer)
+        else:
+            runs.append(([layer], names))
+    return [f"targets of layer{'s' if len(layers) > 1 else ''} "
+            f"{layers[0]}{f'-{layers[-1]}' if len(layers) > 1 else ''}: {' + '.join(names)}"
+            for layers, names in runs if names]
 
 
 def kind_totals_line(kinds: dict[str, dict[str, int]]) -> str:
@@ -76,6 +89,34 @@ def draft_line(draft: dict[str, Any]) -> str:
             "serve without a draft (its layers are left unread)")
 
 
+def quantization_words(record: dict[str, Any]) -> str:
+    """The manifest's `quantization` record (the requant convert did) in words.
+
+    >>> quantization_words({"method": "fp8", "block": [128, 128], "recipe": "sglang", "scale_format": "f32",
+    ...                     "scope": "all", "allow_nonfinite": False})
+    'block FP8 (128×128 blocks), requantized to UE8M0 scales (float32 powers of two), sglang recipe'
+    """
+    block = "×".join(str(b) for b in record.get("block", ()))
+    scope = ", targets only" if record.get("scope") == "targets" else ""
+    scales = "F8_E8M0 tensors" if record.get("scale_format") == "e8m0" else "float32 powers of two"
+    nonfinite = ", non-finite values allowed" if record.get("allow_nonfinite") else ""
+    method = "block FP8" if record.get("method") == "fp8" else str(record.get("method"))
+    return (f"{method} ({block} blocks{scope}), requantized to UE8M0 scales ({scales}), {record.get('recipe')} "
+            f"recipe{nonfinite}")
+
+
+def plain_table(*columns: str, title: str | None = None, show_header: bool = True) -> Any:
+    """A rich table for 80 columns: a rule under the header, no side borders, right-aligned numbers."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(*columns, title=title, box=box.SIMPLE_HEAD, show_header=show_header, pad_edge=False,
+                  title_justify="left")
+    for column in table.columns:
+        column.justify = "right"
+    return table
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
@@ -87,17 +128,18 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[int, in
         yield None
         return
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class BinarySpeedColumn(ProgressColumn):
+        """Throughput in MiB/s, the units of the byte counts beside it (rich's own column gives MB/s)."""
+
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed")
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-               TransferSpeedColumn(), TimeRemainingColumn())
+               BinarySpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
         task = bar.add_task(description, total=None)
 
@@ -183,7 +225,7 @@ def capacity_rows(totals: dict[str, Any], capacity: dict[str, Any], kv: dict[str
         rows.append((f"extra concurrent requests at {capacity['context_len']:,} tokens of context",
                      f"{capacity['extra_requests']:,}"))
     if capacity["hbm_bytes"] is not None:
-        rows.append((f"HBM left for the KV cache of {capacity['hbm_bytes'] / 1e9:g} GB: replicated",
+        rows.append((f"KV-cache room in {human_bytes(capacity['hbm_bytes'])} of HBM: replicated",
                      human_bytes(capacity["kv_room_replicated_bytes"])))
         rows.append(("  sharded (weights and slots only; activations not counted)",
                      human_bytes(capacity["kv_room_sharded_bytes"])))

@@ -45,9 +45,12 @@ def _metavar(param: Any) -> str:
 
 def _default_text(param: Any) -> str | None:
     default = param.default
-    if param.is_flag or default is None or callable(default) or default == () or default == []:
+    if isinstance(default, Enum):  # a choice's, or click 8.3's UNSET sentinel (an Enum member whose value is object())
+        default = default.value
+    # A value, not a flag's False, an empty list, None, or that sentinel.
+    if param.is_flag or isinstance(default, bool) or not isinstance(default, (str, int, float)):
         return None
-    return str(default.value if isinstance(default, Enum) else default)
+    return str(default)
 
 
 def help_record(param: Any) -> tuple[str, str]:
@@ -86,7 +89,8 @@ class PlainHelpCommand(TyperCommand):
         return pieces
 
     def format_options(self, ctx: Any, formatter: Any) -> None:
-        arguments, options = [], []
+        arguments: list[tuple[str, str]] = []
+        options: list[tuple[str, str]] = []
         for param in self.get_params(ctx):
             if getattr(param, "hidden", False):
                 continue

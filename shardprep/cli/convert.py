@@ -10,7 +10,15 @@ import typer
 from ..prep.convert import ConvertSummary, CopyMode
 from ..prep.requant_jobs import RequantMode, RequantRecipe, RequantScope, ScaleFormat
 from ._errors import cli_errors, stop_signals_interrupt
-from ._format import ChunkAlignment, byte_progress, draft_line, human_bytes, print_json, rank_files_phrase
+from ._format import (
+    AllowPresetMismatch,
+    ChunkAlignment,
+    byte_progress,
+    draft_line,
+    human_bytes,
+    print_json,
+    rank_files_phrase,
+)
 from ._help import Debug
 
 
@@ -24,6 +32,7 @@ def convert_command(
                       help="fnmatch glob over full tensor names; repeatable.")] = None,
     preset: Annotated[str | None, typer.Option(metavar="NAME|FILE", help="Built-in preset (see `shardprep "
                                                                         "presets`) or a preset JSON file.")] = None,
+    allow_preset_mismatch: AllowPresetMismatch = False,
     layers: Annotated[str, typer.Option(metavar="LAYERS", help="Layers to shard: N, A-B, A-, -B, a range with a "
                                         "stride (1-:2 = every other layer from 1), lists (1,3,5-9), or 'all'; "
                                         "`shardprep plan` prints one. Default skips layer 0, whose compute hides "
@@ -69,7 +78,7 @@ def convert_command(
         summary = convert(
             src, out, ranks, targets=target or (), preset=preset, layers=layers, layer_pattern=layer_pattern,
             revision=revision, copy_mode=copy_mode, overwrite=overwrite, requant=options, dry_run=dry_run,
-            chunk_alignment=chunk_alignment, progress=progress,
+            chunk_alignment=chunk_alignment, progress=progress, allow_preset_mismatch=allow_preset_mismatch,
         )
     if json_out:
         print_json(summary.to_dict())
