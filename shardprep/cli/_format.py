@@ -209,7 +209,7 @@ def capacity_rows(totals: dict[str, Any], capacity: dict[str, Any], kv: dict[str
         rows.append(("  of which alignment padding", human_bytes(totals["padding_bytes"])))
     rows.append((f"gather bytes received per forward ({n}−1)·Σ C",
                  human_bytes(totals["gather_recv_bytes_per_forward"])))
-    rows.append(("replicated part (non-targets and unsharded targets" + (", routed experts apart)" if experts else ")"),
+    rows.append(("replicated part (non-targets, unsharded targets" + ("; not experts)" if experts else ")"),
                  human_bytes(capacity["replicated_part_bytes"])))
     if experts:
         rows.append((f"routed experts per GPU (EP {experts['ep']}: {experts['experts_per_gpu']} of "

@@ -136,11 +136,12 @@ def print_plan(report: PlanReport) -> None:
     say(f"shard groups: {report.groups.describe()}")
     if report.gather_source:
         say(f"gathers: {report.gather_source}")
-    layers = plain_table("layer", "|T|", "C = |T|/N", "gather", *(f"{t} tok" for t in report.tokens), "shard",
-                         title="per layer: |T|, its gather alone, its compute (replicated weights), ms")
+    # No C = |T|/N column (`--json` has it): with five token counts it would not fit 80 columns.
+    layers = plain_table("layer", "|T|", "gather", *map(str, report.tokens), "shard",
+                         title="per layer: |T|, its gather alone (ms), its compute with replicated weights at "
+                               "each token count (ms)" if report.tokens else "per layer: |T|, its gather alone (ms)")
     for r in report.rows:
         layers.add_row(str(r.layer), human_bytes(r.total_bytes) if r.total_bytes else "",
-                       human_bytes(r.chunk_bytes) if r.chunk_bytes else "",
                        f"{r.gather_ms:.3f}" if r.gather_ms is not None else "",
                        *(f"{ms:.3f}" for ms in r.compute_ms), "✓" if r.layer in picked else "")
     console.print(layers)
