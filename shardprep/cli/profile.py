@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ._errors import cli_errors
+from ._extras import require_extra
 from ._format import parse_token_counts, print_json
 from ._help import Debug
 from ._output_file import replaced_on_success
@@ -51,6 +52,8 @@ def profile_command(
     """Time each layer's compute (replicated weights, in CUDA-graph replays on CUDA), each backend's gathers and
     the HBM interference between them, on the real model bound to the real GPUs; write them for
     `shardprep plan --profile`."""
+    with cli_errors():
+        require_extra("profile", "hf")
     from ..standalone.profile import ProfileOptions, profile
 
     with cli_errors(), ExitStack() as stack:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ._errors import EXIT_ERROR, cli_errors, print_error
+from ._extras import require_extra
 from ._format import human_bytes
 from ._help import Debug, PlainHelpCommand
 
@@ -76,6 +77,8 @@ def run_command(
     debug: Debug = False,
 ) -> None:
     """Run prompts on ranks in shard groups of N from a pre-sharded directory; rank 0 prints the generated text."""
+    with cli_errors():
+        require_extra("run", "hf")
     from ..standalone.runner import DEFAULT_PROMPT, RunOptions, is_torchrun_worker, run
 
     options = RunOptions(directory, tuple(prompt or (DEFAULT_PROMPT,)), max_new_tokens, device.value, backend.value,
