@@ -155,8 +155,12 @@ def test_a_wrong_source_ends_with_a_summary_naming_the_recorded_source(converted
 def test_progress_follows_the_bytes_read_to_the_end(converted):
     src, out = converted
     for source in (None, src):
-        calls = []
-        assert validate(out, source=source, progress=lambda done, total: calls.append((done, total))).ok
+        calls: list[tuple[int, int]] = []
+
+        def follow(done: int, total: int, calls: list = calls) -> None:
+            calls.append((done, total))
+
+        assert validate(out, source=source, progress=follow).ok
         assert calls and all(b[0] >= a[0] for a, b in zip(calls, calls[1:]))
         done, total = calls[-1]
         assert done == total > 0, calls[-3:]

@@ -149,6 +149,27 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[int, in
         yield update
 
 
+@contextmanager
+def step_progress(enabled: bool) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A rich progress bar of counted steps (`update(what, done, total)`), on a TTY (stderr) when enabled; it
+    clears itself at the end, so that the results printed after it stand alone."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("forwards"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def update(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what, completed=done, total=total)
+
+        yield update
+
+
 def parse_token_counts(text: str) -> tuple[int, ...]:
     """'1,16,128' -> (1, 16, 128); a ShardprepError naming the option otherwise."""
     from ..errors import ShardprepError

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -14,7 +15,7 @@ import typer
 
 from ._errors import EXIT_ERROR, cli_errors, print_error
 from ._extras import require_extra
-from ._format import human_bytes
+from ._format import human_bytes, step_progress
 from ._help import Debug, PlainHelpCommand
 
 if TYPE_CHECKING:
@@ -81,13 +82,19 @@ def run_command(
         require_extra("run", "hf")
     from ..standalone.runner import DEFAULT_PROMPT, RunOptions, is_torchrun_worker, run
 
+    started = time.perf_counter()
     options = RunOptions(directory, tuple(prompt or (DEFAULT_PROMPT,)), max_new_tokens, device.value, backend.value,
                          save_outputs, json_out, trust_remote_code, shard_group_size, allow_cross_node_groups)
     worker = is_torchrun_worker()
-    with cli_errors(report_worker_failure if worker else print_error):
-        report = run(options, nproc, nnodes, node_rank, rdzv_endpoint, on_peer_failure=leave_with_peer_failure)
+    if not worker and not json_out and sys.stderr.isatty():
+        # The ranks are processes of their own: until rank 0's bar shows, say that they are starting.
+        typer.echo("starting the ranks (`python -m shardprep.run`); rank 0 shows its progress", err=True)
+    with (cli_errors(report_worker_failure if worker else print_error),
+          step_progress(worker and os.environ.get("RANK") == "0" and not json_out) as progress):
+        report = run(options, nproc, nnodes, node_rank, rdzv_endpoint, on_peer_failure=leave_with_peer_failure,
+                     progress=progress)
     if report is not None:
-        print_report(report, json_out)
+        print_report(report, json_out, time.perf_counter() - started)
     if worker:
         # A worker whose job is done leaves without interpreter teardown: destroying torch's gloo process
         # group objects during it raced with their C++ threads ("terminate called without an active
@@ -116,8 +123,9 @@ def leave_with_peer_failure(line: str) -> None:
     os._exit(EXIT_ERROR)
 
 
-def print_report(report: RunReport, as_json: bool) -> None:
-    """Rank 0's results: one line per prompt and a memory line, or one JSON document."""
+def print_report(report: RunReport, as_json: bool, seconds: float | None = None) -> None:
+    """Rank 0's results: one line per prompt and a summary line (ranks, memory, rank 0's seconds), or one JSON
+    document."""
     if as_json:
         print(json.dumps(report.to_dict()), flush=True)
         return
@@ -131,7 +139,8 @@ def print_report(report: RunReport, as_json: bool) -> None:
     in_groups = f" in {groups} shard groups of {report.group_size}" if groups > 1 else ""
     print(f"[{len(report.ranks)} ranks on {r0.device.split(':')[0]}{in_groups}, gather backend {r0.backend}; "
           f"rank 0 holds {human_bytes(r0.shard_bytes)} of shards, {human_bytes(r0.slot_bytes)} of gather slots and "
-          f"{human_bytes(r0.parameter_bytes)} of replicated parameters]", flush=True)
+          f"{human_bytes(r0.parameter_bytes)} of replicated parameters"
+          + (f"; {seconds:.1f} s]" if seconds is not None else "]"), flush=True)
 
 
 def main() -> None:
