@@ -382,8 +382,9 @@ def check_preset_fits(names: Iterable[str], config: Mapping[str, Any] | None, se
                       where: str) -> None:
     """Refuse, in one line, a preset that does not fit the checkpoint (`where` names it): a preset that declares
     model types other than config.json's `model_type`, or one that selects fewer than SHARE_FLOOR of the tensors
-    the shipped presets for that type select in the same layers. Callers skip it when the user insists
-    (`--allow-preset-mismatch`). Without a preset, or without a model type, there is nothing to hold it to.
+    that the shipped presets for that type select in the same layers (the least of them, where there are several).
+    Callers skip it when the user insists (`--allow-preset-mismatch`). Without a preset, or without a model type,
+    there is nothing to hold it to.
 
     >>> sel = Selection(preset=load_preset("llama"))
     >>> check_preset_fits(["model.layers.1.self_attn.o_proj.weight"], {"model_type": "deepseek_v3"}, sel, "SRC")
@@ -407,13 +408,15 @@ SRC is 'deepseek_v3' (its preset: deepseek-v3); pass --allow-preset-mismatch to 
             return  # a shipped preset of this type: it is the reference, nothing to compare it with
     names = list(names)
     mine = _count_targets(names, selection)
-    for reference in own:
-        theirs_count = _count_targets(names, dataclass_replace(selection, targets=(), preset=reference))
-        if theirs_count and mine < SHARE_FLOOR * theirs_count:
-            raise SelectionError(
-                f"preset {preset.name!r} selects {mine} tensors in {where}, {mine / theirs_count:.0%} of the "
-                f"{theirs_count} that preset {reference.name!r} for model type {model_type!r} selects in the same "
-                f"layers{insist}")
+    # Held to the least of the type's presets (a type may have several, a draft's and a target's): a selection
+    # as small as one of them is a plausible choice.
+    references = sorted((count, reference.name) for reference in own
+                        if (count := _count_targets(names, dataclass_replace(selection, targets=(), preset=reference))))
+    if references and mine < SHARE_FLOOR * references[0][0]:
+        least, name = references[0]
+        raise SelectionError(
+            f"preset {preset.name!r} selects {mine} tensors in {where}, {mine / least:.0%} of the {least} that "
+            f"preset {name!r} for model type {model_type!r} selects in the same layers{insist}")
 
 
 def _count_targets(names: list[str], selection: Selection) -> int:
