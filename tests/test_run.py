@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 from spawn_group import free_port
+from terminal import run_on_a_terminal
 from typer.testing import CliRunner
 
 from shardprep.cli import app
@@ -283,29 +284,13 @@ def test_run_on_a_terminal_shows_rank_0s_progress_and_ends_with_a_summary_line(c
     """Under a pseudo-terminal (stderr a TTY, as a user's shell has it), rank 0's rich bar counts its forwards
     and the last line sums the run up with its seconds. One rank, started as torchrun starts it (`python -m
     shardprep.run` with RANK and WORLD_SIZE): what `shardprep run` starts, without its launcher's start-up."""
-    import pty
-
     out = tmp_path / "out"
     convert(checkpoint_cache("llama"), out, 1, preset="llama")
-    primary, secondary = pty.openpty()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COLUMNS="80", RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    proc = subprocess.Popen([sys.executable, "-m", "shardprep.run", str(out), "--device", "cpu",
-                             "--max-new-tokens", "3"], stdout=subprocess.PIPE, stderr=secondary, env=env, text=True)
-    os.close(secondary)
-    terminal = b""
-    while True:
-        try:
-            chunk = os.read(primary, 4096)
-        except OSError:  # EIO: every process holding the terminal has ended
-            break
-        if not chunk:
-            break
-        terminal += chunk
-    os.close(primary)
-    stdout, _ = proc.communicate(timeout=300)
-    shown = terminal.decode(errors="replace")
-    assert proc.returncode == 0, shown[-3000:]
+    code, stdout, shown = run_on_a_terminal(
+        [sys.executable, "-m", "shardprep.run", str(out), "--device", "cpu", "--max-new-tokens", "3"], env)
+    assert code == 0, shown[-3000:]
     assert "generating" in shown and "3/3" in shown and "forwards" in shown, shown[-3000:]
     summary = stdout.strip().splitlines()[-1]
     assert summary.startswith("[1 ranks on cpu") and summary.endswith(" s]"), stdout

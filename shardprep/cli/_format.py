@@ -170,6 +170,30 @@ def step_progress(enabled: bool) -> Iterator[Callable[[str, int, int], None] | N
         yield update
 
 
+_steps_bar: Any = None  # the bar `terminal_steps` draws in this process, while it runs
+
+
+def terminal_steps(what: str, done: int, total: int) -> None:
+    """A progress callback that a process of its own can take (a module-level function: it is pickled by name,
+    as `shardprep profile` hands it to its ranks): rank 0 draws a rich bar on its terminal (stderr) and clears
+    it at the last step; without a terminal it does nothing."""
+    global _steps_bar
+    if not sys.stderr.isatty():
+        return
+    if _steps_bar is None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        _steps_bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+        _steps_bar.start()
+        _steps_bar.add_task(what, total=total)
+    _steps_bar.update(_steps_bar.task_ids[0], description=what, completed=done, total=total)
+    if done >= total:
+        _steps_bar.stop()
+        _steps_bar = None
+
+
 def parse_token_counts(text: str) -> tuple[int, ...]:
     """'1,16,128' -> (1, 16, 128); a ShardprepError naming the option otherwise."""
     from ..errors import ShardprepError

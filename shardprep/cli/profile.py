@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -12,7 +13,7 @@ import typer
 
 from ._errors import cli_errors
 from ._extras import require_extra
-from ._format import parse_token_counts, print_json
+from ._format import parse_token_counts, print_json, terminal_steps
 from ._help import Debug
 from ._output_file import replaced_on_success
 from .run import Backend, Device
@@ -67,6 +68,9 @@ def profile_command(
         if trace is not None:
             part = stack.enter_context(replaced_on_success(trace, "--trace"))
             options = dataclasses.replace(options, trace_path=str(part))
+        if not json_out and sys.stderr.isatty():
+            typer.echo("starting the ranks; rank 0 shows the measurements as they are done", err=True)
+            options = dataclasses.replace(options, progress=terminal_steps)
         result = profile(directory, nproc, options)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
