@@ -48,7 +48,8 @@ def test_presets_lists_every_builtin_with_its_globs():
 
 
 def test_a_preset_that_matches_nothing_says_so_and_suggests_target(checkpoint_cache, tmp_path):
-    result = invoke("convert", checkpoint_cache("bert"), tmp_path / "out", "-n", 2, "--preset", "llama")
+    result = invoke("convert", checkpoint_cache("bert"), tmp_path / "out", "-n", 2, "--preset", "llama",
+                    "--allow-preset-mismatch")  # without it: refused as a preset for other model types
     assert result.exit_code == 2
     assert "preset 'llama' matches no tensor in this checkpoint" in result.stderr and "--target" in result.stderr
     assert not (tmp_path / "out").exists()

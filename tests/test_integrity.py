@@ -162,7 +162,8 @@ def test_human_output_is_one_line_per_problem(converted):
     flip(out / "config.json", 3)
     result = runner.invoke(app, ["validate", str(out)])
     lines = result.stderr.splitlines()
-    assert result.exit_code == 1 and len(lines) == 2 and all(line.startswith("invalid: ") for line in lines)
+    assert result.exit_code == 1 and len(lines) == 3 and all(line.startswith("invalid: ") for line in lines)
+    assert lines[-1] == f"invalid: {out}: 2 problems (checksum_mismatch 2)"  # the summary after them
 
 
 def test_a_file_the_manifest_does_not_list_is_reported(converted):

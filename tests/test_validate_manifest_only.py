@@ -128,7 +128,8 @@ def test_each_damage_is_refused_with_its_code(converted, repo, damage, expected,
     args = ["validate", "--manifest-only", str(repo / MANIFEST_NAME), *(["--source", str(src)] if with_source else [])]
     result = runner.invoke(app, args)
     lines = [line for line in result.stderr.splitlines() if line.startswith("invalid: ")]
-    assert result.exit_code == 1 and len(lines) == len(report.problems) and fragment in result.stderr
+    summary = 1 if len(report.problems) > 1 else 0  # several problems end with a line summing them up
+    assert result.exit_code == 1 and len(lines) == len(report.problems) + summary and fragment in result.stderr
     result = runner.invoke(app, [*args, "--json"])
     assert {p["code"] for p in json.loads(result.stdout)["problems"]} == expected
 
@@ -212,11 +213,12 @@ def test_several_manifests_give_a_json_list_and_one_bad_one_fails_the_run(repo, 
     assert result.exit_code == 2 and "--manifest-only" in result.stderr
 
 
-def test_a_missing_path_cannot_run_and_a_directory_without_a_manifest_is_invalid(tmp_path):
+def test_a_missing_path_or_a_directory_without_a_manifest_cannot_run(tmp_path):
     result = runner.invoke(app, ["validate", "--manifest-only", str(tmp_path / "nothing")])
     assert result.exit_code == 2 and result.stderr.startswith("error: ")
     result = runner.invoke(app, ["validate", "--manifest-only", str(tmp_path)])
-    assert result.exit_code == 1 and "not found" in result.stderr
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        f"error: {tmp_path}: no shard_manifest.json: not an output directory of `shardprep convert`")
 
 
 # -- a requantized output against its block-FP8 source -------------------------------------------

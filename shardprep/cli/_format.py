@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from ..planning.accounting import human_bytes as human_bytes  # one byte formatter for the library and the CLI
+from ..planning.expert_parallel import GPU_HBM_GB
 
 # Options that several commands take, declared once so that their checks and help agree.
 NumSlots = Annotated[int, typer.Option(min=1, metavar="N", help="Gather slots the runtime keeps.")]
@@ -21,8 +22,8 @@ ContextLen = Annotated[int, typer.Option(
 HbmGb = Annotated[float | None, typer.Option(
     metavar="GB", help="HBM per GPU in GB (10^9 bytes); default 141 (an H200), or give --gpu.")]
 Gpu = Annotated[str | None, typer.Option(
-    metavar="NAME", help="The GPU, for its HBM instead of --hbm-gb: h100 (80 GB), h200 (141), b200 (192), b300, "
-    "a100, h20, mi300x, ... (expert_parallel.GPU_HBM_GB).")]
+    metavar="NAME", help="The GPU, for its HBM instead of --hbm-gb, in GB: "
+    + ", ".join(f"{name} {gb:g}" for name, gb in GPU_HBM_GB.items()) + ".")]
 Ep = Annotated[int, typer.Option(
     "--ep", min=1, metavar="E", help="Expert-parallel ranks each MoE layer's routed experts are split over, as "
     "vLLM and SGLang place them (default 1: every GPU holds every expert).")]
@@ -33,18 +34,31 @@ Dp = Annotated[int | None, typer.Option(
     "group, W = N).")]
 GpusPerNode = Annotated[int, typer.Option(
     "--gpus-per-node", min=1, metavar="G", help="GPUs (ranks) per node: a shard group should stay inside one.")]
+AllowPresetMismatch = Annotated[bool, typer.Option(
+    "--allow-preset-mismatch", help="Use --preset on a checkpoint of a model type it is not for, or where it selects "
+    "under half of what that type's preset does (refused otherwise).")]
 ChunkAlignment = Annotated[str, typer.Option(
     metavar="auto|none|SIZE", help="C is a multiple of this and chunks start on it (SIZE like 2MiB, for the "
     "zero-copy runtime); auto: 2MiB when its padding costs <= 1% of Σ|T| per rank, else none (16 bytes).")]
 
 
-def kinds_text(kinds: dict[str, int]) -> str:
-    """One layer's target bytes by kind, for a table cell.
+def kind_runs(kinds_by_layer: dict[int, dict[str, int]]) -> list[str]:
+    """Which kinds of target each layer holds, one line per run of consecutive layers holding the same kinds (the
+    bytes per kind are in `kind_totals_line`): a table cell of them per layer would not fit 80 columns.
 
-    >>> kinds_text({"KDA": 53248, "MoE periphery": 18432})
-    'KDA 52.00 KiB + MoE periphery 18.00 KiB'
+    >>> kind_runs({1: {"MLA": 8, "MoE periphery": 4}, 2: {"MLA": 8, "MoE periphery": 4}, 3: {"KDA": 2}})
+    ['targets of layers 1-2: MLA + MoE periphery', 'targets of layer 3: KDA']
     """
-    return " + ".join(f"{kind} {human_bytes(size)}" for kind, size in kinds.items())
+    runs: list[tuple[list[int], tuple[str, ...]]] = []
+    for layer, kinds in sorted(kinds_by_layer.items()):
+        names = tuple(kinds)
+        if runs and runs[-1][1] == names and runs[-1][0][-1] == layer - 1:
+            runs[-1][0].append(layer)
+        else:
+            runs.append(([layer], names))
+    return [f"targets of layer{'s' if len(layers) > 1 else ''} "
+            f"{layers[0]}{f'-{layers[-1]}' if len(layers) > 1 else ''}: {' + '.join(names)}"
+            for layers, names in runs if names]
 
 
 def kind_totals_line(kinds: dict[str, dict[str, int]]) -> str:
@@ -101,6 +115,34 @@ def draft_line(draft: dict[str, Any]) -> str:
             f"{human_bytes(draft['target_saved_bytes'])}: {human_bytes(together)} together")
 
 
+def quantization_words(record: dict[str, Any]) -> str:
+    """The manifest's `quantization` record (the requant convert did) in words.
+
+    >>> quantization_words({"method": "fp8", "block": [128, 128], "recipe": "sglang", "scale_format": "f32",
+    ...                     "scope": "all", "allow_nonfinite": False})
+    'block FP8 (128×128 blocks), requantized to UE8M0 scales (float32 powers of two), sglang recipe'
+    """
+    block = "×".join(str(b) for b in record.get("block", ()))
+    scope = ", targets only" if record.get("scope") == "targets" else ""
+    scales = "F8_E8M0 tensors" if record.get("scale_format") == "e8m0" else "float32 powers of two"
+    nonfinite = ", non-finite values allowed" if record.get("allow_nonfinite") else ""
+    method = "block FP8" if record.get("method") == "fp8" else str(record.get("method"))
+    return (f"{method} ({block} blocks{scope}), requantized to UE8M0 scales ({scales}), {record.get('recipe')} "
+            f"recipe{nonfinite}")
+
+
+def plain_table(*columns: str, title: str | None = None, show_header: bool = True) -> Any:
+    """A rich table for 80 columns: a rule under the header, no side borders, right-aligned numbers."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(*columns, title=title, box=box.SIMPLE_HEAD, show_header=show_header, pad_edge=False,
+                  title_justify="left")
+    for column in table.columns:
+        column.justify = "right"
+    return table
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
@@ -112,17 +154,18 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[int, in
         yield None
         return
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class BinarySpeedColumn(ProgressColumn):
+        """Throughput in MiB/s, the units of the byte counts beside it (rich's own column gives MB/s)."""
+
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed")
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-               TransferSpeedColumn(), TimeRemainingColumn())
+               BinarySpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
         task = bar.add_task(description, total=None)
 
@@ -130,6 +173,51 @@ def byte_progress(description: str, enabled: bool) -> Iterator[Callable[[int, in
             bar.update(task, completed=done, total=total)
 
         yield update
+
+
+@contextmanager
+def step_progress(enabled: bool) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A rich progress bar of counted steps (`update(what, done, total)`), on a TTY (stderr) when enabled; it
+    clears itself at the end, so that the results printed after it stand alone."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("forwards"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def update(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what, completed=done, total=total)
+
+        yield update
+
+
+_steps_bar: Any = None  # the bar `terminal_steps` draws in this process, while it runs
+
+
+def terminal_steps(what: str, done: int, total: int) -> None:
+    """A progress callback that a process of its own can take (a module-level function: it is pickled by name,
+    as `shardprep profile` hands it to its ranks): rank 0 draws a rich bar on its terminal (stderr) and clears
+    it at the last step; without a terminal it does nothing."""
+    global _steps_bar
+    if not sys.stderr.isatty():
+        return
+    if _steps_bar is None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        _steps_bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+        _steps_bar.start()
+        _steps_bar.add_task(what, total=total)
+    _steps_bar.update(_steps_bar.task_ids[0], description=what, completed=done, total=total)
+    if done >= total:
+        _steps_bar.stop()
+        _steps_bar = None
 
 
 def parse_token_counts(text: str) -> tuple[int, ...]:
@@ -192,7 +280,7 @@ def capacity_rows(totals: dict[str, Any], capacity: dict[str, Any], kv: dict[str
         rows.append(("  of which alignment padding", human_bytes(totals["padding_bytes"])))
     rows.append((f"gather bytes received per forward ({n}−1)·Σ C",
                  human_bytes(totals["gather_recv_bytes_per_forward"])))
-    rows.append(("replicated part (non-targets and unsharded targets" + (", routed experts apart)" if experts else ")"),
+    rows.append(("replicated part (non-targets, unsharded targets" + ("; not experts)" if experts else ")"),
                  human_bytes(capacity["replicated_part_bytes"])))
     if experts:
         rows.append((f"routed experts per GPU (EP {experts['ep']}: {experts['experts_per_gpu']} of "
@@ -208,7 +296,7 @@ def capacity_rows(totals: dict[str, Any], capacity: dict[str, Any], kv: dict[str
         rows.append((f"extra concurrent requests at {capacity['context_len']:,} tokens of context",
                      f"{capacity['extra_requests']:,}"))
     if capacity["hbm_bytes"] is not None:
-        rows.append((f"HBM left for the KV cache of {capacity['hbm_bytes'] / 1e9:g} GB: replicated",
+        rows.append((f"KV-cache room in {human_bytes(capacity['hbm_bytes'])} of HBM: replicated",
                      human_bytes(capacity["kv_room_replicated_bytes"])))
         rows.append(("  sharded (weights and slots only; activations not counted)",
                      human_bytes(capacity["kv_room_sharded_bytes"])))

@@ -10,7 +10,16 @@ import typer
 from ..prep.convert import ConvertSummary, CopyMode
 from ..prep.requant_jobs import RequantMode, RequantRecipe, RequantScope, ScaleFormat
 from ._errors import cli_errors, stop_signals_interrupt
-from ._format import ChunkAlignment, byte_progress, draft_line, human_bytes, print_json, rank_files_phrase
+from ._format import (
+    AllowPresetMismatch,
+    ChunkAlignment,
+    byte_progress,
+    draft_line,
+    human_bytes,
+    print_json,
+    rank_files_phrase,
+)
+from ._help import Debug
 
 
 def convert_command(
@@ -25,6 +34,7 @@ def convert_command(
                                                                         "presets`) or a preset JSON file; a DFlash "
                                                                         "or EAGLE-3 draft's checkpoint gets its own "
                                                                         "without one.")] = None,
+    allow_preset_mismatch: AllowPresetMismatch = False,
     layers: Annotated[str | None, typer.Option(metavar="LAYERS", help="Layers to shard: N, A-B, A-, -B, a range "
                                                "with a stride (1-:2 = every other layer from 1), lists (1,3,5-9), or "
                                                "'all'; `shardprep plan` prints one. Default 1-: layer 0, whose "
@@ -36,7 +46,8 @@ def convert_command(
     = None,
     copy_mode: Annotated[CopyMode, typer.Option(help="auto: hard-link unchanged files when possible.")]
     = CopyMode.AUTO,
-    overwrite: Annotated[bool, typer.Option(help="Replace a previous output in OUT (atomically).")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a previous output in OUT (atomically).")]
+    = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the selection and the sizes; write nothing.")]
     = False,
     requant: Annotated[RequantMode, typer.Option(help="Requantize block-FP8 weights to UE8M0 (power-of-two) "
@@ -47,7 +58,8 @@ def convert_command(
                                                                "vLLM's.")] = RequantRecipe.SGLANG,
     scale_format: Annotated[ScaleFormat, typer.Option(help="f32: power-of-two float32 weight_scale_inv; e8m0: "
                                                            "F8_E8M0 tensors.")] = ScaleFormat.F32,
-    allow_nonfinite: Annotated[bool, typer.Option(help="Requantize weights with inf/nan instead of refusing.")]
+    allow_nonfinite: Annotated[bool, typer.Option("--allow-nonfinite", help="Requantize weights with inf/nan "
+                                                                        "instead of refusing.")]
     = False,
     device: Annotated[str, typer.Option(metavar="DEVICE", help="Device for requantization: cpu or cuda.")]
     = "cpu",
@@ -56,6 +68,7 @@ def convert_command(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary "
                                                           "(schema shardprep/convert-summary/1).")] = False,
+    debug: Debug = False,
 ) -> None:
     """Convert a HF safetensors checkpoint into per-rank flat chunks plus a manifest."""
     from ..prep.convert import convert
@@ -68,7 +81,7 @@ def convert_command(
         summary = convert(
             src, out, ranks, targets=target or (), preset=preset, layers=layers, layer_pattern=layer_pattern,
             revision=revision, copy_mode=copy_mode, overwrite=overwrite, requant=options, dry_run=dry_run,
-            chunk_alignment=chunk_alignment, progress=progress,
+            chunk_alignment=chunk_alignment, progress=progress, allow_preset_mismatch=allow_preset_mismatch,
         )
     if summary.preset and preset is None and not target and not (quiet or json_out):
         typer.echo(f"preset {summary.preset}: {src}'s config.json is a {summary.preset} draft model's (no --preset "

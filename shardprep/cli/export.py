@@ -10,6 +10,7 @@ import typer
 from ..prep.convert import CopyMode
 from ._errors import cli_errors, stop_signals_interrupt
 from ._format import byte_progress, human_bytes, not_carried_phrase, print_json
+from ._help import Debug
 
 
 def export_command(
@@ -19,10 +20,12 @@ def export_command(
                                                              "empty unless --overwrite).")],
     copy_mode: Annotated[CopyMode, typer.Option(help="auto: hard-link the files carried over from OUT when "
                                                      "possible.")] = CopyMode.AUTO,
-    overwrite: Annotated[bool, typer.Option(help="Replace a previous export (or output) in DIR, atomically.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a previous export (or output) in DIR, "
+                                                                "atomically.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary "
                                                           "(schema shardprep/export-summary/1).")] = False,
+    debug: Debug = False,
 ) -> None:
     """Write an output directory as a plain HF checkpoint, for servers without a shardprep loader."""
     from ..prep.export import export

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -11,6 +12,7 @@ import typer
 from ..errors import ShardprepError
 from ._errors import cli_errors
 from ._format import (
+    AllowPresetMismatch,
     ContextLen,
     Dp,
     Ep,
@@ -23,12 +25,14 @@ from ._format import (
     capacity_rows,
     draft_line,
     human_bytes,
+    kind_runs,
     kind_totals_line,
-    kinds_text,
     parse_fraction,
     parse_token_counts,
+    plain_table,
     print_json,
 )
+from ._help import Debug
 from ._output_file import replaced_on_success
 from .run import Backend
 
@@ -40,7 +44,8 @@ def plan_command(
     source: Annotated[str, typer.Argument(
         metavar="SRC_OR_OUT", help="A HF checkpoint (local or hub id) or an output directory of `shardprep convert`.")],
     ranks: Annotated[int | None, typer.Option("--ranks", "-n", metavar="N", help="Ranks N to shard across: the "
-                                                "shard group size (default with --dp: the largest that fits a node).")]
+                                                "shard group size (default: OUT's own N; with --dp, the largest that "
+                                                "fits a node).")]
     = None,
     preset: Annotated[str | None, typer.Option(
         metavar="NAME|FILE", help="Built-in preset or preset JSON file (SRC only).")] = None,
@@ -54,6 +59,7 @@ def plan_command(
         metavar="DRAFT", help="A DFlash or EAGLE-3 draft to serve beside the target (its checkpoint or converted "
                               "directory): its saving apart from the target's, and both together.")] = None,
     revision: Annotated[str | None, typer.Option(metavar="REV", help="Hub revision (SRC only).")] = None,
+    allow_preset_mismatch: AllowPresetMismatch = False,
     profile: Annotated[Path | None, typer.Option(
         metavar="FILE", help="A `shardprep profile` JSON of the target machine: compute, gathers, interference.")]
     = None,
@@ -86,6 +92,7 @@ def plan_command(
     trace: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Also write the predicted per-layer schedule (compute, gathers, waits) as a Chrome "
                              "trace JSON for ui.perfetto.dev or chrome://tracing (needs --profile).")] = None,
+    debug: Debug = False,
 ) -> None:
     """Per rank: memory saved, the KV-cache tokens and requests it buys, the startup peak; per layer: gather
     against compute; the layers to shard and the `convert --layers` argument; a one-line verdict."""
@@ -107,7 +114,7 @@ def plan_command(
             budget_bytes=None if budget_gb is None else int(budget_gb * 10**9), kv_dtype=kv_dtype,
             num_slots=num_slots,
             chunk_alignment=parse_chunk_alignment(chunk_alignment) if chunk_alignment else None,
-            dp=dp, gpus_per_node=gpus_per_node, ep=ep, tp=tp,
+            dp=dp, gpus_per_node=gpus_per_node, ep=ep, tp=tp, allow_preset_mismatch=allow_preset_mismatch,
         )
         report = plan_sharding(request)
         if trace_part is not None:
@@ -115,63 +122,60 @@ def plan_command(
     if json_out:
         print_json(report.to_dict())
     else:
-        print_plan(report, request.preset, request.targets)
+        print_plan(report)
 
 
-def print_plan(report: PlanReport, preset: str | None, targets: tuple[str, ...]) -> None:
-    """Tables: per layer, predicted steps, per rank; then the convert argument, notes and the verdict."""
+def print_plan(report: PlanReport) -> None:
+    """Tables: per layer, predicted steps, per rank; then the convert command, notes and the verdict. Tables fit
+    80 columns; prose is soft-wrapped (the terminal folds it, and a pasted line stays whole)."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
+    say = partial(console.print, soft_wrap=True)
     shown = report.chosen or report.every_layer
     picked = set(report.chosen.layers) if report.chosen else set()
-    console.print(f"{report.source} ({report.kind}), N = {report.ranks}, {report.model_layers} layers, "
-                  f"{len(report.candidates)} with targets")
-    console.print(f"slots: {report.slot_model}")
-    console.print(f"shard groups: {report.groups.describe()}")
+    say(f"{report.source} ({report.kind}), N = {report.ranks}, {report.model_layers} layers, "
+        f"{len(report.candidates)} with targets")
+    say(f"slots: {report.slot_model}")
+    say(f"shard groups: {report.groups.describe()}")
     if report.gather_source:
-        console.print(f"gathers: {report.gather_source}")
-    layers = Table(title="per layer: |T|, its gather alone, its compute (replicated weights), ms")
-    for col in ("layer", "|T|", "C = |T|/N", "gather", *(f"{t} tok" for t in report.tokens), "shard",
-                "targets by kind"):
-        layers.add_column(col, justify="right")
+        say(f"gathers: {report.gather_source}")
+    # No C = |T|/N column (`--json` has it): with five token counts it would not fit 80 columns.
+    layers = plain_table("layer", "|T|", "gather", *map(str, report.tokens), "shard",
+                         title="per layer: |T|, its gather alone (ms), its compute with replicated weights at "
+                               "each token count (ms)" if report.tokens else "per layer: |T|, its gather alone (ms)")
     for r in report.rows:
         layers.add_row(str(r.layer), human_bytes(r.total_bytes) if r.total_bytes else "",
-                       human_bytes(r.chunk_bytes) if r.chunk_bytes else "",
                        f"{r.gather_ms:.3f}" if r.gather_ms is not None else "",
-                       *(f"{ms:.3f}" for ms in r.compute_ms), "✓" if r.layer in picked else "", kinds_text(r.kinds))
+                       *(f"{ms:.3f}" for ms in r.compute_ms), "✓" if r.layer in picked else "")
     console.print(layers)
+    for line in kind_runs({r.layer: r.kinds for r in report.rows if r.kinds}):
+        say(line)
     if report.kinds:
-        console.print(kind_totals_line(report.kinds))
-    choices = [("every candidate", report.every_layer)]
+        say(kind_totals_line(report.kinds))
+    choices = [("every", report.every_layer)]
     if report.chosen is not None and report.chosen.layers != report.every_layer.layers:
         choices.append(("chosen", report.chosen))
     if report.every_layer.predictions:
-        steps = Table(title="predicted step (ms) against replicated; floor = the longest of replicated, compute "
-                            "with interference, gathers + the layers after the last one")
-        for col in ("layers", "tokens", "replicated", "sharded", "overhead", "floor", "floor set by"):
-            steps.add_column(col, justify="right")
+        steps = plain_table("layers", "tokens", "replicated", "sharded", "overhead", "floor", "floor set by",
+                            title="predicted step (ms) against replicated; floor: the longest of replicated, "
+                                  "compute with interference, gathers + the layers after the last one")
         for name, choice in choices:
             for t, p in zip(report.tokens, choice.predictions):
                 steps.add_row(f"{name} ({len(choice.layers)})", str(t), f"{p.replicated_ms:.3f}",
                               f"{p.step_ms:.3f}", f"{p.overhead:+.1%}", f"{p.floor.ms:.3f}", p.floor.term)
         console.print(steps)
-    memory = Table(show_header=False, title=f"per rank, sharding {len(shown.layers)} layers")
-    memory.add_column(justify="left")
-    memory.add_column(justify="right")
+    memory = plain_table("", "", title=f"per rank, sharding {len(shown.layers)} layers", show_header=False)
+    memory.columns[0].justify = "left"
     for label, value in capacity_rows(shown.memory.to_dict(), report.capacity.to_dict(),
                                       report.kv.to_dict() if report.kv else None, report.experts.to_dict()):
         memory.add_row(label, value)
     console.print(memory)
     if report.draft is not None:
-        console.print(draft_line(report.draft), soft_wrap=True)
-    if report.convert_layers:
-        selection = (f" --preset {preset}" if preset else "") + "".join(f" --target '{t}'" for t in targets)
-        src = report.source if report.kind == "checkpoint" else "SRC"
-        console.print(f"convert argument: --layers {report.convert_layers}\n"
-                      f"  shardprep convert {src} OUT --ranks {report.ranks}{selection} "
-                      f"--layers {report.convert_layers}")
+        say(draft_line(report.draft))
+    if report.convert_command:
+        say(f"convert argument: --layers {report.convert_layers}")
+        say(f"  {report.convert_command}")
     for note in report.notes:
-        console.print(f"note: {note}")
-    console.print(report.verdict_line, soft_wrap=True)
+        say(f"note: {note}")
+    say(report.verdict_line)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -11,7 +12,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ._errors import cli_errors
-from ._format import parse_token_counts, print_json
+from ._extras import require_extra
+from ._format import parse_token_counts, print_json, terminal_steps
+from ._help import Debug
 from ._output_file import replaced_on_success
 from .run import Backend, Device
 
@@ -45,10 +48,13 @@ def profile_command(
     trace: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Also write rank 0's torch.profiler trace of one sharded step per token count (Chrome "
                              "trace JSON for ui.perfetto.dev or chrome://tracing).")] = None,
+    debug: Debug = False,
 ) -> None:
     """Time each layer's compute (replicated weights, in CUDA-graph replays on CUDA), each backend's gathers and
     the HBM interference between them, on the real model bound to the real GPUs; write them for
     `shardprep plan --profile`."""
+    with cli_errors():
+        require_extra("profile", "hf")
     from ..standalone.profile import ProfileOptions, profile
 
     with cli_errors(), ExitStack() as stack:
@@ -62,6 +68,9 @@ def profile_command(
         if trace is not None:
             part = stack.enter_context(replaced_on_success(trace, "--trace"))
             options = dataclasses.replace(options, trace_path=str(part))
+        if not json_out and sys.stderr.isatty():
+            typer.echo("starting the ranks; rank 0 shows the measurements as they are done", err=True)
+            options = dataclasses.replace(options, progress=terminal_steps)
         result = profile(directory, nproc, options)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result.to_dict(), indent=1) + "\n")

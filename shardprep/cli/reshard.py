@@ -10,6 +10,7 @@ import typer
 from ..prep.convert import CopyMode
 from ._errors import cli_errors, stop_signals_interrupt
 from ._format import ChunkAlignment, byte_progress, human_bytes, not_carried_phrase, print_json, rank_files_phrase
+from ._help import Debug
 
 
 def reshard_command(
@@ -21,10 +22,12 @@ def reshard_command(
     chunk_alignment: ChunkAlignment = "auto",
     copy_mode: Annotated[CopyMode, typer.Option(help="auto: hard-link the files that do not depend on N when "
                                                      "possible.")] = CopyMode.AUTO,
-    overwrite: Annotated[bool, typer.Option(help="Replace a previous output in NEW (atomically).")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a previous output in NEW (atomically).")]
+    = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary "
                                                           "(schema shardprep/reshard-summary/1).")] = False,
+    debug: Debug = False,
 ) -> None:
     """Rewrite an output directory for another number of ranks, without the source checkpoint."""
     from ..prep.reshard import reshard

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -13,7 +14,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ._errors import EXIT_ERROR, cli_errors, print_error
-from ._format import human_bytes
+from ._extras import require_extra
+from ._format import human_bytes, step_progress
+from ._help import Debug, PlainHelpCommand
 
 if TYPE_CHECKING:
     from ..standalone.runner import RunReport
@@ -61,7 +64,7 @@ def run_command(
                                                      help="Prompt; repeatable. Prompt i runs on rank i mod W "
                                                           "(W = M·P ranks).")]
     = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-k", min=1,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-k", min=1, metavar="K",
                                                 help="Tokens to generate greedily (causal LMs).")] = 16,
     device: Annotated[Device, typer.Option(help="cpu: gloo; cuda: one GPU per local rank.")] = Device.AUTO,
     backend: Annotated[Backend, typer.Option(help="Gather backend (auto picks the best that works).")]
@@ -72,17 +75,26 @@ def run_command(
                                                           "(schema shardprep/run-report/1).")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Let transformers run model code "
                                                                                 "shipped in DIR.")] = False,
+    debug: Debug = False,
 ) -> None:
     """Run prompts on ranks in shard groups of N from a pre-sharded directory; rank 0 prints the generated text."""
+    with cli_errors():
+        require_extra("run", "hf")
     from ..standalone.runner import DEFAULT_PROMPT, RunOptions, is_torchrun_worker, run
 
+    started = time.perf_counter()
     options = RunOptions(directory, tuple(prompt or (DEFAULT_PROMPT,)), max_new_tokens, device.value, backend.value,
                          save_outputs, json_out, trust_remote_code, shard_group_size, allow_cross_node_groups)
     worker = is_torchrun_worker()
-    with cli_errors(report_worker_failure if worker else print_error):
-        report = run(options, nproc, nnodes, node_rank, rdzv_endpoint, on_peer_failure=leave_with_peer_failure)
+    if not worker and not json_out and sys.stderr.isatty():
+        # The ranks are processes of their own: until rank 0's bar shows, say that they are starting.
+        typer.echo("starting the ranks (`python -m shardprep.run`); rank 0 shows its progress", err=True)
+    with (cli_errors(report_worker_failure if worker else print_error),
+          step_progress(worker and os.environ.get("RANK") == "0" and not json_out) as progress):
+        report = run(options, nproc, nnodes, node_rank, rdzv_endpoint, on_peer_failure=leave_with_peer_failure,
+                     progress=progress)
     if report is not None:
-        print_report(report, json_out)
+        print_report(report, json_out, time.perf_counter() - started)
     if worker:
         # A worker whose job is done leaves without interpreter teardown: destroying torch's gloo process
         # group objects during it raced with their C++ threads ("terminate called without an active
@@ -111,8 +123,9 @@ def leave_with_peer_failure(line: str) -> None:
     os._exit(EXIT_ERROR)
 
 
-def print_report(report: RunReport, as_json: bool) -> None:
-    """Rank 0's results: one line per prompt and a memory line, or one JSON document."""
+def print_report(report: RunReport, as_json: bool, seconds: float | None = None) -> None:
+    """Rank 0's results: one line per prompt and a summary line (ranks, memory, rank 0's seconds), or one JSON
+    document."""
     if as_json:
         print(json.dumps(report.to_dict()), flush=True)
         return
@@ -126,11 +139,12 @@ def print_report(report: RunReport, as_json: bool) -> None:
     in_groups = f" in {groups} shard groups of {report.group_size}" if groups > 1 else ""
     print(f"[{len(report.ranks)} ranks on {r0.device.split(':')[0]}{in_groups}, gather backend {r0.backend}; "
           f"rank 0 holds {human_bytes(r0.shard_bytes)} of shards, {human_bytes(r0.slot_bytes)} of gather slots and "
-          f"{human_bytes(r0.parameter_bytes)} of replicated parameters]", flush=True)
+          f"{human_bytes(r0.parameter_bytes)} of replicated parameters"
+          + (f"; {seconds:.1f} s]" if seconds is not None else "]"), flush=True)
 
 
 def main() -> None:
     """`python -m shardprep.run DIR ...` (what torchrun starts): the options of `shardprep run`."""
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(run_command)
+    app.command(cls=PlainHelpCommand)(run_command)
     app()

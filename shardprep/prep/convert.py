@@ -21,7 +21,7 @@ from .convert_plan import ConvertPlan, make_plan, parse_chunk_alignment
 from .header_source import open_headers
 from .output_dir import check_output_dir, staged_output
 from .requant_jobs import RequantOptions
-from .selection import make_selection
+from .selection import check_preset_fits, make_selection
 from .source import open_source
 from .writer import Progress, output_bytes, write_plan
 
@@ -84,6 +84,7 @@ def convert(
     chunk_alignment: str | int = "auto",
     dry_run: bool = False,
     progress: Progress | None = None,
+    allow_preset_mismatch: bool = False,
 ) -> ConvertSummary:
     """Convert a checkpoint into `ranks` per-rank files plus a manifest and the replicated part.
 
@@ -94,7 +95,8 @@ def convert(
     `layers` (else `1-`): `selection.make_selection`. With
     `dry_run` nothing is written: the summary says what would be. OUT is replaced atomically, under a
     lock, only when it is empty or (with `overwrite`) a shardprep output, and only when the parent's
-    filesystem has room for what the plan writes; see docs/reliability.md.
+    filesystem has room for what the plan writes; see docs/reliability.md. A preset that does not fit the
+    checkpoint's model type is refused (`selection.check_preset_fits`) unless `allow_preset_mismatch`.
 
     >>> convert("Qwen/Qwen3-30B-A3B", "out/", ranks=8, preset="qwen3-moe")  # doctest: +SKIP
     """
@@ -107,6 +109,8 @@ def convert(
         check_output_dir(out, [ckpt.root], overwrite)  # early, before planning; again under the lock
     selection = make_selection(ckpt.config, targets=targets, preset=preset, layers=layers,
                                layer_pattern=layer_pattern)
+    if not allow_preset_mismatch:
+        check_preset_fits(ckpt.tensors, ckpt.config, selection, str(src))
     plan = make_plan(ckpt, ranks, selection, requant, chunk_alignment)
     if dry_run:
         return _summary(out, plan, t0, dry_run=True)

@@ -21,6 +21,7 @@ No torch: the measuring is `shardprep profile`'s job.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -46,7 +47,15 @@ from ..planning.kv_cache import KvCacheShape, kv_cache_shape
 from ..planning.layer_choice import LayerChoice, Predict, choose_layers, evaluate, least_overhead
 from ..planning.profile_format import Profile, load_profile
 from ..planning.step_time import StepPrediction, StepSchedule, predict_step, schedule_step
-from .selection import format_layers, make_selection, parse_layers
+from .selection import (
+    DEFAULT_LAYER_PATTERN,
+    builtin_presets,
+    check_preset_fits,
+    format_layers,
+    load_preset,
+    make_selection,
+    parse_layers,
+)
 from .target_kinds import bytes_by_kind, kind_totals
 
 PLAN_SCHEMA = "shardprep/plan/1"
@@ -68,7 +77,8 @@ class PlanRequest:
     `ranks` is the shard group size N (None: the largest that fits a node, with `dp`); `dp` the
     data-parallel ranks W (None: one group, W = N); `gpus_per_node` the ranks of a node; `ep` the ranks
     each MoE layer's routed experts are split over (1: every GPU holds them all); `tp` the tensor-parallel
-    size (only 1: sharded mode is DP attention)."""
+    size (only 1: sharded mode is DP attention). For OUT, `ranks` defaults to the N it was converted for.
+    `allow_preset_mismatch`: plan with a preset that does not fit SRC's model type (convert's option)."""
 
     source: str
     ranks: int | None
@@ -94,6 +104,7 @@ class PlanRequest:
     tp: int = 1
     draft: str | None = None
     """A DFlash or EAGLE-3 draft to serve beside the target: its checkpoint (local or hub id) or converted directory."""
+    allow_preset_mismatch: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +142,9 @@ class PlanReport:
     kv: KvCacheShape | None = None
     pays_from_tokens: int | None = None
     convert_layers: str | None = None
+    convert_command: str | None = None
+    """`shardprep convert ...` for the chosen layers, one line that runs as printed: SRC (for OUT, the source its
+    manifest records), a new output directory, N, the selection (for OUT, its recorded one) and `--layers`."""
     gather_source: str = ""
     backend: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -181,6 +195,7 @@ class PlanReport:
             "experts": self.experts.to_dict(),
             "pays_from_tokens": self.pays_from_tokens,
             "convert_layers": self.convert_layers,
+            "convert_command": self.convert_command,
             "verdict": self.verdict.value,
             "verdict_line": self.verdict_line,
             "notes": list(self.notes),
@@ -206,6 +221,7 @@ class _Model:
     kinds: dict[int, dict[str, int]] = field(default_factory=dict)  # candidate layer → its target bytes by kind
     tensor_bytes: dict[str, int] = field(default_factory=dict)  # every non-target tensor → its bytes
     fetched_bytes: int | None = None  # a hub id read from its headers: the bytes fetched
+    convert_args: tuple[str, ...] = ()  # SRC, a new OUT, then the selection's options: convert's arguments but N
 
 
 def plan_sharding(request: PlanRequest) -> PlanReport:
@@ -215,7 +231,7 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     ...                                    profile=Path("profile.json")))  # doctest: +SKIP
     >>> report.verdict_line  # doctest: +SKIP
     """
-    fit = _shard_groups(request)
+    fit = _shard_groups(request, _converted_world_size(request.source))
     n = fit.group_size
     check_tensor_parallel(request.tp)
     check_expert_parallel(request.ep, fit.world_size)
@@ -312,6 +328,8 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
         verdict, line = Verdict.CROSSES_NODES, (f"{crossing}; plan --ranks {fit.largest_node_local}, the largest "
                                                 f"shard group that fits a node{at}")
     pick = chosen or from_choice
+    # Never open-ended past the target's last layer when a draft's layers follow it: `1-` would take them in.
+    convert_layers = format_layers(pick.layers, num_layers=None if draft else model_layers) if pick else None
     schedules: tuple[StepSchedule, ...] = ()
     if profile is not None and gather_ms is not None:
         b = profile.backend(backend)
@@ -331,8 +349,10 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
         source=request.source, kind=model.kind, ranks=n, model_layers=model_layers, candidates=candidates,
         tokens=tokens, rows=rows, slot_model=slot_model, every_layer=every, chosen=chosen, capacity=cap,
         verdict=verdict, verdict_line=line, groups=fit, experts=experts, kv=kv, pays_from_tokens=pays_from,
-        # Never open-ended past the target's last layer when a draft's layers follow it: `1-` would take them in.
-        convert_layers=format_layers(pick.layers, num_layers=None if draft else model_layers) if pick else None,
+        convert_layers=convert_layers,
+        convert_command=None if convert_layers is None else shlex.join(
+            ["shardprep", "convert", *model.convert_args[:2], "--ranks", str(n), *model.convert_args[2:],
+             "--layers", convert_layers]),
         gather_source=gather_source, backend=backend, notes=notes, schedules=schedules,
         schedule_layers=shown.layers, num_slots=request.num_slots, fetched_bytes=model.fetched_bytes,
     )
@@ -398,13 +418,22 @@ def _draft_beside(draft: _Draft, target_sizes: list[int], target_alignment: int,
             "together_saved_bytes": saving["saved_bytes"] + saving["target_saved_bytes"]}
 
 
-def _shard_groups(request: PlanRequest) -> GroupFit:
-    """The group size N to plan for and how the DP ranks take groups of it; refuses what cannot be."""
+def _converted_world_size(source: str) -> int | None:
+    """The N an output directory was converted for (None: SRC is a checkpoint)."""
+    root = Path(source)
+    return load_manifest(root).world_size if (root / MANIFEST_NAME).is_file() else None
+
+
+def _shard_groups(request: PlanRequest, converted_n: int | None = None) -> GroupFit:
+    """The group size N to plan for and how the DP ranks take groups of it; refuses what cannot be. Without
+    --ranks and --dp, an output directory's own N (`converted_n`)."""
     g, dp, n = request.gpus_per_node, request.dp, request.ranks
     if g < 1:
         raise ShardprepError(f"--gpus-per-node must be >= 1, got {g}")
     if dp is not None and dp < 1:
         raise ShardprepError(f"--dp must be >= 1, got {dp}")
+    if n is None and dp is None and converted_n is not None:
+        n = converted_n
     if n is None:
         if dp is None:
             raise ShardprepError("give --ranks N (the shard group size), or --dp W to plan the largest group that "
@@ -516,6 +545,8 @@ def _read_checkpoint(request: PlanRequest, n: int) -> _Model:
     ckpt = open_headers(request.source, request.revision)  # a hub id by HTTP range: no snapshot download
     selection = make_selection(ckpt.config, targets=request.targets, preset=request.preset, layers=request.layers,
                                layer_pattern=request.layer_pattern)
+    if not request.allow_preset_mismatch:
+        check_preset_fits(ckpt.tensors, ckpt.config, selection, request.source)
     # Laid out as convert would for this N (its chunk alignment too, `auto` unless given). Without the requant:
     # it keeps every size (scales stay F32 unless --scale-format says otherwise) and deciding it reads scales.
     plan = make_plan(ckpt, n, selection, RequantOptions(mode="none"),
@@ -523,8 +554,15 @@ def _read_checkpoint(request: PlanRequest, n: int) -> _Model:
     sizes = {lay.layer: unaligned_total_bytes(lay.entries, n) for lay in plan.layouts}
     kinds = {lay.layer: bytes_by_kind({e.name: e.nbytes for e in lay.entries}) for lay in plan.layouts}
     rest = {name: t.nbytes for name, t in ckpt.tensors.items() if name not in plan.targets.names}
+    selected = [*(["--preset", request.preset] if request.preset else []),
+                *(a for t in request.targets for a in ("--target", t)),
+                *(["--layer-pattern", request.layer_pattern] if request.layer_pattern else []),
+                *(["--revision", request.revision] if request.revision else []),
+                *(["--allow-preset-mismatch"] if request.allow_preset_mismatch else []),
+                *(["--chunk-alignment", str(request.chunk_alignment)] if request.chunk_alignment else [])]
     return _Model("checkpoint", sizes, plan.replicated_bytes, ckpt.config, plan.chunk_alignment, kinds=kinds,
-                  tensor_bytes=rest, fetched_bytes=ckpt.fetched_bytes() if ckpt.fetched_bytes else None)
+                  tensor_bytes=rest, fetched_bytes=ckpt.fetched_bytes() if ckpt.fetched_bytes else None,
+                  convert_args=(request.source, f"{_base_name(request.source)}-n{n}", *selected))
 
 
 def _read_converted(root: Path, request: PlanRequest, n: int) -> _Model:
@@ -548,6 +586,58 @@ def _read_converted(root: Path, request: PlanRequest, n: int) -> _Model:
     config = read_config(root)
     unsharded = sum(r.total_bytes for r in manifest.layers if r not in records)
     kinds = {r.layer: bytes_by_kind({e.name: e.nbytes for e in r.entries}) for r in records}
+    args = _recorded_convert_args(root, manifest, config, n, notes)
     return _Model("converted", sizes, replicated_bytes(root, manifest) + unsharded, config,
                   request.chunk_alignment or manifest.chunk_alignment, tuple(notes), kinds,
-                  replicated_tensor_bytes(root, manifest) if request.ep > 1 else {})
+                  replicated_tensor_bytes(root, manifest) if request.ep > 1 else {}, convert_args=args)
+
+
+def _base_name(source: str) -> str:
+    """A directory name for a new output of SRC (a path or a hub id).
+
+    >>> _base_name("deepseek-ai/DeepSeek-V3"), _base_name("out/")
+    ('DeepSeek-V3', 'out')
+    """
+    return Path(source.rstrip("/")).name or "out"
+
+
+def _recorded_convert_args(root: Path, manifest: Any, config: dict[str, Any] | None, n: int,
+                           notes: list[str]) -> tuple[str, ...]:
+    """convert's arguments (SRC, a new OUT, then options) that give OUT again with other layers: the source, the
+    selection and the requant its manifest records."""
+    source, selection = manifest.source or {}, manifest.selection or {}
+    src = source.get("repo_id") or source.get("path") or "SRC"
+    args = [str(src), f"{root.name}-n{n}"]
+    if source.get("repo_id") and (source.get("commit") or source.get("revision")):
+        args += ["--revision", str(source.get("commit") or source.get("revision"))]
+    preset = selection.get("preset")
+    if preset in builtin_presets() and selection.get("preset_targets") == list(load_preset(preset).targets):
+        args += ["--preset", preset]
+    elif selection.get("preset_targets"):
+        notes.append(f"{root} was converted with the preset file {preset!r}, which its manifest records by its globs "
+                     "alone: the command gives them as --target; give the file as --preset to keep its fused views")
+        args += [a for glob in selection["preset_targets"] for a in ("--target", glob)]
+    args += [a for glob in selection.get("targets") or () for a in ("--target", glob)]
+    if selection.get("layer_pattern") not in (None, DEFAULT_LAYER_PATTERN):
+        args += ["--layer-pattern", selection["layer_pattern"]]
+    args += _recorded_requant_args(manifest.quantization, config)
+    return tuple(args)
+
+
+def _recorded_requant_args(record: dict[str, Any] | None, config: dict[str, Any] | None) -> list[str]:
+    """The requant options that give this quantization record again (convert's defaults left out).
+
+    >>> _recorded_requant_args({"recipe": "fp32", "scale_format": "f32", "scope": "all"}, None)
+    ['--requant-recipe', 'fp32']
+    >>> _recorded_requant_args(None, {"quantization_config": {"quant_method": "fp8"}})
+    ['--requant', 'none']
+    """
+    if record is None:
+        quant = (config or {}).get("quantization_config") or {}
+        return ["--requant", "none"] if isinstance(quant, dict) and quant.get("quant_method") == "fp8" else []
+    args = []
+    for option, key, default in (("--requant-recipe", "recipe", "sglang"), ("--scale-format", "scale_format", "f32"),
+                                 ("--requant-scope", "scope", "all")):
+        if record.get(key, default) != default:
+            args += [option, str(record[key])]
+    return args + (["--allow-nonfinite"] if record.get("allow_nonfinite") else [])

@@ -73,7 +73,8 @@ def inspect(directory: str | Path, num_slots: int = 2, *, kv_dtype: str = "auto"
         "quantization": m.quantization,
         "source": m.source,
         "selection": m.selection,
-        "checked_with": _checked_with(m.selection),
+        "model_type": _model_type(config),
+        "checked_with": _checked_with(m.selection, _model_type(config)),
         "slot_model": ("aliased own chunk: the rank's chunk is mapped into its layer view (CUDA, chunk alignment "
                        f"{alignment} B)" if aliased else
                        f"copy: a slot holds all of T (chunk alignment {alignment} B is below the 2 MiB that mapping "
@@ -120,8 +121,15 @@ def _quantized(root: Path, m: Manifest, num_slots: int) -> dict[str, Any] | None
             "max_layer_bytes": largest, "resident_bytes": -(-gathered // m.world_size) + num_slots * largest}
 
 
-def _checked_with(selection: dict[str, Any] | None) -> list[dict[str, str]] | None:
-    checks = recorded_preset_checks(selection)
+def _model_type(config: dict[str, Any] | None) -> str | None:
+    model_type = (config or {}).get("model_type")
+    return model_type if isinstance(model_type, str) else None
+
+
+def _checked_with(selection: dict[str, Any] | None, model_type: str | None) -> list[dict[str, str]] | None:
+    """The checks of OUT's shipped preset that ran on checkpoints of OUT's model type (None: not a shipped
+    preset's targets, so unknown; empty: that preset was never checked on this model type)."""
+    checks = recorded_preset_checks(selection, model_type)
     return None if checks is None else [{"server": c.server, "mode": c.mode, "test": c.test} for c in checks]
 
 

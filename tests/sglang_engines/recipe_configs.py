@@ -1,0 +1,48 @@
+"""SGLang's own configuration (ServerArgs) of each `launch_server` line of docs/recipes.md, and of the engine
+arguments an engine test ran, without starting anything: what test_sglang_recipes.py compares.
+
+`python tests/sglang_engines/recipe_configs.py IN.json OUT.json` (inside the SGLang virtual environment, with
+stand_ins/ on PYTHONPATH for `sgl_kernel`). IN: {name: {"launch": [arguments after `-m sglang.launch_server`]} or
+{"engine": ServerArgs kwargs, as sgl.Engine passes them}}. A `launch` line goes through `prepare_server_args`, what
+`launch_server` parses its command line with, after SGLang has loaded its plugins (shardprep's adds
+`--load-format shardprep`). OUT: {name: the deployment (`deployment`) or {"error": "Type: message"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from typing import Any
+
+FIELDS = ("load_format", "tp_size", "dp_size", "enable_dp_attention", "ep_size", "pp_size", "nnodes", "node_rank",
+          "dist_init_addr", "trust_remote_code")
+
+
+def deployment(args: Any) -> dict[str, Any]:
+    """What a recipe decides of ServerArgs: load format and its options, the parallel layout, the nodes."""
+    extra = args.model_loader_extra_config
+    extra = json.loads(extra) if isinstance(extra, str) else dict(extra or {})
+    return {**{f: getattr(args, f) for f in FIELDS}, **{f"extra.{k}": v for k, v in sorted(extra.items())}}
+
+
+def main(in_path: str, out_path: str) -> None:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # as launch_server does first: shardprep's plugin adds its load format to the choices
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+    results = {}
+    for name, job in json.loads(open(in_path).read()).items():
+        try:
+            args = prepare_server_args(job["launch"]) if "launch" in job else ServerArgs(**job["engine"])
+            results[name] = deployment(args)
+        except BaseException as exc:  # argparse exits; any refusal is a result to compare
+            traceback.print_exc()
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    with open(out_path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
