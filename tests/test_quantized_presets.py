@@ -72,9 +72,10 @@ def test_qwen3_moe_preset_converts_a_w4a16_checkpoint_with_its_fused_view(checkp
 @pytest.mark.parametrize("preset", builtin_presets())
 def test_every_shipped_preset_takes_weight_packed_as_it_takes_weight(checkpoint_cache, preset):
     arch = {"llama": "llama", "qwen3-moe": "qwen3-moe", "deepseek-v3": "deepseek-v3-mla", "kimi-k3": "kimi-k3",
-            "kimi-linear": "kimi-linear"}[preset]
+            "kimi-linear": "kimi-linear", "dflash": "dflash", "eagle3": "eagle3"}[preset]
     names = list(open_source(checkpoint_cache(arch)).tensors)
-    selection = Selection(preset=load_preset(preset), layers=parse_layers("all"))
+    shipped = load_preset(preset)
+    selection = Selection(preset=shipped, layers=parse_layers("all"), unnumbered_layers=shipped.unnumbered_layers)
     plain = select_targets(names, selection)
     targets = plain.names
     packed = select_targets([f"{n}_packed" if n in targets else n for n in names], selection)
