@@ -203,7 +203,7 @@ def test_k3_as_published_sharded_dp2_binds_the_text_targets_where_vllms_mapper_p
     manifest = load_manifest(published)
     assert manifest.layers[0].entries[0].name.startswith("language_model.layers.")  # the checkpoint's names
     expected = bound_names(manifest.target_records)
-    views = {v.name.split(".", 4)[4]: v for r in manifest.layers for v in r.views}
+    views = {v.name.split(".", 3)[3]: v for r in manifest.layers for v in r.views}  # language_model.layers.N.
     assert views["self_attn.in_proj_qkvgfab.weight"].pad_rows == 14  # 290 rows of q/k/v/g/f_a/b, up to 304
     assert {"self_attn.fused_qkv_a_g_proj.weight", "block_sparse_moe.shared_experts.gate_up_proj.weight"} <= set(views)
     for rank in results:
