@@ -41,10 +41,18 @@ def digests(path: Path, dp_rank: int) -> list[str]:
 def register() -> None:
     if ENV not in os.environ:  # plugins load once per process: installed for the plan, recording per engine
         return
-    import torch
     from vllm.model_executor.models.deepseek_mtp import DeepSeekMultiTokenPredictorLayer
 
-    forward = DeepSeekMultiTokenPredictorLayer.forward
+    probe(DeepSeekMultiTokenPredictorLayer)
+
+
+def probe(layer_class: type) -> None:
+    """Record, from now on, a digest of what `layer_class.forward` returns (its first output if a tuple) at every
+    eager forward of an engine that asks (once per class). Kimi K3's MTP layer is probed by k3_kernels.py, once
+    K3's modules may be imported."""
+    import torch
+
+    forward = layer_class.forward
     if getattr(forward, "_shardprep_probe", False):
         return
 
@@ -59,4 +67,4 @@ def register() -> None:
         return out
 
     probed._shardprep_probe = True  # type: ignore[attr-defined]
-    DeepSeekMultiTokenPredictorLayer.forward = probed  # type: ignore[method-assign]
+    layer_class.forward = probed  # type: ignore[attr-defined]

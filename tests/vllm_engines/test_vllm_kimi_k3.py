@@ -42,6 +42,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(1800)
 
+from draft_probe import ARMED, digests, record  # noqa: E402
 from engine_runs import ENV, check_same_per_rank, own_rank_files, run_engines  # noqa: E402
 from k3_kernels import K3_KERNELS, LINE  # noqa: E402
 from spawn_group import free_port  # noqa: E402
@@ -63,6 +64,7 @@ LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 1, "dtype": 
        "enable_prefix_caching": False, "attention_backend": "CPU_MLA"}
 SHARDPREP = {**LLM, "load_format": "shardprep"}
 SHARDED = {**SHARDPREP, "model_loader_extra_config": {"shard_weights": True}}
+MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}  # K3's own draft, KimiK3MTP
 PROMPTS = [["hello world"], ["the model shard weights", "gpu layer rank"]]  # uneven: rank 0 idles most steps
 MAX_TOKENS = [3, 6]
 STARTUP = re.compile(r"shardprep: DP rank (\d) of (\d) serves (\S+) sharded: .*?resident target bytes (\d+) = "
@@ -81,17 +83,20 @@ def k3_out(checkpoint_cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def k3_tokens(k3_out):
-    """The DP=2 plan's results and log: vLLM's loader, full mode, sharded mode (each rank its own rank file)."""
+    """The DP=2 plan's results, its log, each rank's directory and where the MTP engines' draft digests are: vLLM's
+    loader, full mode, sharded mode (each rank its own rank file), then full and sharded mode with K3's MTP draft."""
     src, out, root = k3_out
     mine = own_rank_files(out, root, DP)
-    runs = [("vllm", str(src), LLM), ("full", str(out), SHARDPREP), ("sharded", mine, SHARDED)]
-    plan = {"dp_size": DP, "env": K3_ENV, "runs": [
-        {"name": name, "model": model, "llm": llm, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
-        for name, model, llm in runs]}
     work = root / "engines"
     work.mkdir()
+    probes = {"full-mtp": work / "full-mtp", "sharded-mtp": work / "sharded-mtp"}
+    runs = [("vllm", str(src), LLM), ("full", str(out), SHARDPREP), ("sharded", mine, SHARDED),
+            ("full-mtp", str(out), {**SHARDPREP, **MTP}), ("sharded-mtp", mine, {**SHARDED, **MTP})]
+    plan = {"dp_size": DP, "env": {**K3_ENV, **ARMED}, "runs": [
+        {"name": name, "model": model, "llm": llm, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+         **({"env": record(probes[name])} if name in probes else {})} for name, model, llm in runs]}
     results, output = run_engines(plan, work)
-    return results, output, mine
+    return results, output, mine, probes
 
 
 @pytest.fixture(scope="module")
@@ -132,12 +137,12 @@ def k3(k3_out):
 
 
 def test_k3_runs_its_forward_on_the_plugins_torch_references(k3_tokens):
-    results, output, _ = k3_tokens
+    results, output, *_ = k3_tokens
     line = next(row for row in output.splitlines() if LINE in row)  # logged by each DP rank's process
     for op in ("chunk_kda_with_fused_gate", "fused_recurrent_kda_packed_decode", "attn_res", "forward_mqa",
                "torch.ops._C.fused_kimi_k3_mla_key_concat_kv_cache_insert", "CpuCommunicator.all_gatherv"):
         assert op in line
-    for name in ("vllm", "full", "sharded"):
+    for name in ("vllm", "full", "sharded", "full-mtp", "sharded-mtp"):
         assert all("tokens" in rank for rank in results[name]), results[name]
 
 
@@ -150,14 +155,33 @@ def test_sharded_dp2_each_rank_its_own_file_gives_full_modes_tokens_and_logprobs
 
 
 def test_each_sharded_ranks_startup_line_gives_the_resident_bytes_inspect_predicts(k3_tokens, k3_out):
-    _, output, mine = k3_tokens
+    _, output, mine, _ = k3_tokens
     totals = target_totals(k3_out[1])
-    lines = {int(m.group(1)): m.groups() for m in STARTUP.finditer(output)}
+    sharded = output[:output.index("'sharded' dp")]  # the plain sharded engines' part of the log
+    lines = {int(m.group(1)): m.groups() for m in STARTUP.finditer(sharded)}
     assert sorted(lines) == list(range(DP)), output[-4000:]
     for rank, (_, size, directory, resident, local, _, slot_bytes) in lines.items():
         assert (int(size), directory) == (DP, mine[rank])
         assert (int(local), int(slot_bytes), int(resident)) == (
             totals["local_chunk_bytes"], totals["slot_bytes"], totals["resident_bytes"])
+
+
+def test_k3s_mtp_draft_runs_and_sharded_gives_full_modes_tokens_and_what_the_draft_computed(k3_tokens, k3_out):
+    """Greedy speculative decoding gives the target's tokens whatever the draft proposes, so the draft's weights
+    are compared by what K3's MTP layer returned at every pass (draft_probe.py), dummy passes of the idle rank
+    included; the draft's layer is gathered after the target's, and its startup line gives `inspect`'s bytes."""
+    results, output, _, probes = k3_tokens
+    check_same_per_rank(results, "full-mtp", "sharded-mtp", PROMPTS, MAX_TOKENS)
+    for rank in range(DP):
+        full, sharded = digests(probes["full-mtp"], rank), digests(probes["sharded-mtp"], rank)
+        assert full and sharded == full, rank
+    draft = draft_account(load_manifest(k3_out[1]))
+    assert draft is not None
+    lines = re.findall(r"shardprep: DP rank (\d) binds the MTP draft of .*", output)
+    assert sorted(int(rank) for rank in lines) == list(range(DP)), output[-4000:]
+    assert all(f"layer {L} gathered after the target's layers" in line and f"resident draft bytes "
+               f"{draft['resident_bytes']}, saved {draft['saved_bytes']}" in line
+               for line in re.findall(r"shardprep: DP rank \d binds the MTP draft of .*", output))
 
 
 def bound_names(records) -> set[str]:
