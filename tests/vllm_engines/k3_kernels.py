@@ -51,7 +51,7 @@ K3_KERNELS = {ENV: "1"}
 NAME = "shardprep_k3_kernels"
 LINE = "shardprep test plugin: Kimi K3's Triton/CUDA-only ops run as torch references:"
 """What an engine process logs once the references are in place (the tests check that they were)."""
-_library = None  # the torch.library fragment holding the two MLA epilogues (kept alive for the process)
+_library = None  # the torch.library fragment holding the MLA epilogues (kept alive for the process)
 
 
 def register() -> None:
