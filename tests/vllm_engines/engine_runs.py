@@ -52,6 +52,7 @@ from pathlib import Path
 
 import deep_gemm_sm100
 import draft_probe
+import k3_kernels
 import moved_weights
 import quant_kernels
 import same_kernels
@@ -82,6 +83,7 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
     declare_vllm_plugin(plugins, moved_weights.NAME, "moved_weights:register")  # likewise
     declare_vllm_plugin(plugins, deep_gemm_sm100.NAME, "deep_gemm_sm100:register")  # likewise
     declare_vllm_plugin(plugins, draft_probe.NAME, "draft_probe:register")  # likewise
+    declare_vllm_plugin(plugins, k3_kernels.NAME, "k3_kernels:register")  # likewise
     path = os.pathsep.join(p for p in (HERE, str(plugins), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(plan["dp_size"]), "PYTHONPATH": path}
     with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs

