@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build the SGLang test venv from nothing: .ci/sglang_venv.sh VENV
+# Build the SGLang test venv from nothing: .ci/sglang_venv.sh VENV [deps|shardprep]
+# (deps: everything but shardprep, what .ci/run builds in the background while the README's tests run; shardprep:
+# then shardprep itself and the check that the venv is whole; neither: both, one after the other).
 # SGLang 0.5.23 on the CPU, the recipe measured in issue 35: torch 2.14.1 (SGLang pins it) with torchvision
 # 0.29.1 (imported at module level by srt/configs/deepseek_ocr.py), sglang itself without its dependencies
 # (its pinned graph wants CUDA-only packages and does not resolve on a CPU machine), then the runtime
@@ -8,7 +10,8 @@
 # uv builds it (the binary named with the venv's interpreter: `python3 -m uv pip` would install into python3's
 # own environment); pip is the fallback. Prints its wall time and size.
 set -euo pipefail
-venv=${1:?usage: .ci/sglang_venv.sh VENV}
+venv=${1:?usage: .ci/sglang_venv.sh VENV [deps|shardprep]}
+part=${2:-all}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 start=$SECONDS
 
@@ -28,18 +31,21 @@ deps=(
 )
 
 if uv=$(python3 -c "import uv; print(uv.find_uv_bin())" 2>/dev/null); then
-  "$uv" venv -q -p python3 "$venv"
+  [ "$part" = shardprep ] || "$uv" venv -q -p python3 "$venv"
   install() { "$uv" pip install -q --python "$venv/bin/python" "$@"; }
 else
-  python3 -m venv "$venv"
+  [ "$part" = shardprep ] || python3 -m venv "$venv"
   install() { "$venv/bin/pip" install -q "$@"; }
 fi
+if [ "$part" != shardprep ]; then
 if ! install --index-url "$cpu_index" "${torch_pins[@]}" 2>/dev/null; then
   echo "sglang venv: no CPU torch 2.14.1 at $cpu_index; PyPI's CUDA build instead (~5 GB more)"
   install "${torch_pins[@]}"
 fi
 install --no-deps sglang==0.5.23
 install "${deps[@]}" "${torch_pins[@]}"
+fi
+if [ "$part" = deps ]; then echo "sglang venv: its dependencies in $((SECONDS - start)) s"; exit 0; fi
 install -e "$repo[runtime]" "${torch_pins[@]}"
 # The venv is whole before the tests start: SGLang's engine and HTTP server, shardprep's SGLang glue, pytest.
 SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$repo/tests/sglang_engines/stand_ins" "$venv/bin/python" -c \
