@@ -20,9 +20,9 @@ attention backends. Each run publishes its own ServerArgs (SGLang's last-publish
 The DFLASH runs need the test plugin dflash_on_cpu.py (SGLang refuses DFLASH on the CPU while it resolves its
 arguments), declared by the test, only to build and load.
 
-PLAN: {"dp_size", "dp_rank", "port", "runs": [{"name", "model", "algorithm" (NEXTN | DFLASH), "draft" (DFLASH:
-the draft's path), "load_format", "sharded", "draft_load_format" (optional)}]}. RESULTS: {run name: what `record`
-returns, or {"error": "Type: message"}}.
+PLAN: {"layout" (ServerArgs: tp_size = dp_size, enable_dp_attention), "dp_rank", "port", "runs": [{"name",
+"model", "algorithm" (NEXTN | DFLASH), "draft" (DFLASH: the draft's path), "load_format", "sharded",
+"draft_load_format" (optional)}]}. RESULTS: {run name: what `record` returns, or {"error": "Type: message"}}.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def build(run: dict, dp: tuple[int, int, int], first: bool) -> tuple[Any, Any]:
-    """The target worker and the speculative worker of `run`, built as SGLang's scheduler builds them."""
+def build(run: dict, dp: tuple[dict, int, int], first: bool) -> tuple[Any, Any]:
+    """The target worker and the speculative worker of `run`, built as SGLang's scheduler builds them, on this DP
+    rank of `dp` (the layout: tp_size = dp_size under DP attention; the rank; the rendezvous port)."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import bootstrap
     from sglang.srt.managers.tp_worker import TpModelWorker
@@ -76,10 +77,9 @@ def build(run: dict, dp: tuple[int, int, int], first: bool) -> tuple[Any, Any]:
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    dp_size, rank, port = dp
-    kwargs: dict[str, Any] = {**BASE, **SPECULATIVE[run["algorithm"]], "model_path": run["model"],
-                              "load_format": run["load_format"], "tp_size": dp_size, "dp_size": dp_size,
-                              "enable_dp_attention": True}
+    layout, rank, port = dp
+    kwargs: dict[str, Any] = {**BASE, **layout, **SPECULATIVE[run["algorithm"]], "model_path": run["model"],
+                              "load_format": run["load_format"]}
     if run.get("draft"):
         kwargs["speculative_draft_model_path"] = run["draft"]
     if run.get("draft_load_format"):
@@ -173,7 +173,7 @@ def main(plan_path: str, results_path: str) -> None:
     from sglang.srt.plugins import load_plugins
 
     plan = json.loads(Path(plan_path).read_text())
-    dp = (plan["dp_size"], plan["dp_rank"], plan["port"])
+    dp = (plan["layout"], plan["dp_rank"], plan["port"])
     load_plugins()  # shardprep's entry point and the test plugins the test declared, as SGLang's processes do
     shardprep_log = logging.getLogger("sglang.shardprep")
     shardprep_log.setLevel(logging.INFO)

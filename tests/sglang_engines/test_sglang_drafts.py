@@ -62,7 +62,10 @@ DFLASH_LAYERS = 3  # more draft layers than slots: the context K/V check can tel
 TAKEN_FROM_TARGET = {"model.embed_tokens.weight", "lm_head.weight"}
 """A NextN draft's parameters SGLang's loader leaves unloaded: its EAGLE worker gives the draft the target's
 embedding and LM head once the KV pools exist (`set_embed_and_head`), after this test stops."""
-ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_SHARED_EXPERT_TP1": "1",
+DP_ATTENTION = {"tp_size": DP, "dp_size": DP, "enable_dp_attention": True}
+"""The parallel layout draft_loading.py builds every run with (attention TP 1)."""
+REPLICATED_SHARED_EXPERT = {"SGLANG_SHARED_EXPERT_TP1": "1"}  # DeepSeek's shared expert replicated across DP ranks
+ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1", **REPLICATED_SHARED_EXPERT,
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        dflash_on_cpu.SWITCH: "1"}
 PLUGINS = {gloo_groups.NAME: "gloo_groups:register", dflash_on_cpu.NAME: "dflash_on_cpu:register"}
@@ -127,7 +130,7 @@ def loaded(checkpoint_cache, tmp_path_factory):
             {"name": "dflash padded", "model": mine["qwen"][rank], "draft": mine["dflash padded"][rank],
              "load_format": "shardprep", "sharded": True, **dflash},
         ]
-        (root / f"plan{rank}.json").write_text(json.dumps({"dp_size": DP, "dp_rank": rank, "port": port,
+        (root / f"plan{rank}.json").write_text(json.dumps({"layout": DP_ATTENTION, "dp_rank": rank, "port": port,
                                                           "runs": runs}))
         log = open(root / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, str(HERE / "draft_loading.py"), str(root / f"plan{rank}.json"),
