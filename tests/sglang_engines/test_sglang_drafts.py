@@ -47,7 +47,7 @@ pytestmark = pytest.mark.timeout(1800)
 import dflash_on_cpu  # noqa: E402
 import gloo_groups  # noqa: E402
 from checkpoints import make_dflash_checkpoint  # noqa: E402
-from engine_harness import declare_plugin  # noqa: E402
+from sglang_runs import plugin_environment  # noqa: E402
 from spawn_group import free_port  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
@@ -99,12 +99,7 @@ def loaded(checkpoint_cache, tmp_path_factory):
     for name in ("dflash", "dflash padded"):
         convert(sources[name], outs[name], DP)  # the draft's preset, from its config.json
     mine = {name: own_rank_directories(out, root) for name, out in outs.items()}
-    plugins = root / "plugins"
-    for name, entry in PLUGINS.items():
-        declare_plugin(plugins, "sglang.srt.plugins", name, entry)
-    path = os.pathsep.join(p for p in (str(HERE), str(HERE / "stand_ins"), str(plugins), os.environ.get("PYTHONPATH"))
-                           if p)
-    env = {**os.environ, **ENV, "PYTHONPATH": path}
+    env = plugin_environment(root, PLUGINS, ENV)
     port = free_port()
     procs = []
     for rank in range(DP):
