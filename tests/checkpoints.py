@@ -432,7 +432,7 @@ def _write_draft(directory: Path, config, extra: dict, tensors: dict[str, torch.
 
 def make_dflash_checkpoint(directory: str | Path, *, layers: int = 2, hidden: int = 64, vocab: int = 128,
                            target_layers: int = 3, head_dim: int = DRAFT_HEAD_DIM, dtype: torch.dtype = torch.bfloat16,
-                           seed: int = 0) -> Path:
+                           seed: int = 0, intermediate: int | None = None) -> Path:
     """A DFlash draft (z-lab's layout, vLLM 0.32's `DFlashDraftModel` -> qwen3_dflash.DFlashQwen3ForCausalLM) for
     the tiny `qwen3-moe` target of `target_layers` layers, `hidden` and `vocab`.
 
@@ -449,13 +449,15 @@ def make_dflash_checkpoint(directory: str | Path, *, layers: int = 2, hidden: in
        `dflash_config {mask_token_id: vocab - 1, target_layer_ids: draft_aux_layers(target_layers)}` (DFlash's
        ids: the output of target layer i; vLLM adds 1).
     Every value is random (perturbed, so no two weights are equal), in `dtype`, in one model.safetensors.
+    `intermediate`: the MLP size (default 2·hidden + 24, not a multiple of 32; SGLang's CPU path pads an MLP size to a
+    multiple of 32 · TP, so a draft its sharded mode binds has one that is).
     """
     import transformers as tf
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
 
     torch.manual_seed(seed)
     aux = draft_aux_layers(target_layers)
-    config = tf.Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 24,
+    config = tf.Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden + 24,
                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                             max_position_embeddings=256, tie_word_embeddings=False)
     tensors: dict[str, torch.Tensor] = {}

@@ -20,6 +20,8 @@ from fake_server import FakeServer, give_load_weights
 from torch import nn
 
 from shardprep.errors import ManifestError, RuntimeShardError, ShardprepError
+from shardprep.integrations import drafts
+from shardprep.integrations.drafts import hand_to_draft, target_for
 from shardprep.integrations.load_check import check_all_loaded, tracked_loading
 from shardprep.integrations.load_options import ShardprepLoadOptions
 from shardprep.integrations.output_weights import load_full, output_weights
@@ -184,6 +186,20 @@ def test_tracking_restores_each_parameters_own_loader_and_compares_equal_to_it()
     check_all_loaded(layer, None, "out/", also={"weight"}, seen=seen)
     with pytest.raises(ShardprepError, match="'weight'"):
         check_all_loaded(layer, None, "out/", seen=seen)
+
+
+def test_a_target_is_handed_to_its_draft_under_a_deployment_object_even_one_without_weak_references():
+    class Referable:
+        pass
+
+    weak, strong = Referable(), object()  # object(): no weak references, as SGLang's ServerArgs (a msgspec Struct)
+    target, other = object.__new__(ShardedLoad), object.__new__(ShardedLoad)
+    hand_to_draft(weak, target)
+    hand_to_draft(strong, other)
+    assert target_for(weak) is target and target_for(strong) is other and target_for(object()) is None
+    weak_id = id(weak)
+    del weak  # the hand-over goes with a deployment that can go
+    assert weak_id not in drafts._targets and target_for(strong) is other
 
 
 def test_options_default_to_verified_full_mode_and_refuse_unknown_keys():

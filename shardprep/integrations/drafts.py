@@ -62,13 +62,19 @@ from .sharded_load import (
 
 _targets: dict[int, ShardedLoad] = {}
 """The target loads handed to their drafts, by the id of the server's deployment object, while it lives."""
+_held: dict[int, object] = {}
+"""Deployment objects that cannot be weakly referenced, held so that their id stays theirs while `_targets` is keyed
+by it (one per process and server: the entry lives as long as the process)."""
 
 
 def hand_to_draft(deployment: object, target: ShardedLoad) -> None:
     """Leave `target` (loaded) for the draft model's load in this process, under the server's `deployment` object."""
     key = id(deployment)
     _targets[key] = target
-    weakref.finalize(deployment, _targets.pop, key, None)
+    try:
+        weakref.finalize(deployment, _targets.pop, key, None)
+    except TypeError:  # no weak references to it (SGLang's ServerArgs, a msgspec Struct): held instead
+        _held[key] = deployment
 
 
 def target_for(deployment: object) -> ShardedLoad | None:
@@ -125,11 +131,12 @@ class DraftLoad:
         if draft.is_model:
             return self._load_draft_model(model, target)
         found = adapter.draft_layer_modules(model, draft.layers)
+        model_name = adapter.model_name(model)
         if target.processed is None:
-            bound = bind_draft(target.binding, found)
+            bound = bind_draft(target.binding, found, model_name)
         else:  # bound to placeholders, for processing to read them (processed_layers.process_draft_layers)
             placeholders = PlaceholderGatherer(target.shards)
-            bound = draft_layers(target.shards.manifest, placeholders.layers, found)
+            bound = draft_layers(target.shards.manifest, placeholders.layers, found, model_name)
             for layer in bound:
                 layer.point(placeholders.views(layer.index))
         ids = {id(param) for layer in bound for param, _ in layer.params}

@@ -16,11 +16,13 @@ import traceback
 from typing import Any
 
 FIELDS = ("load_format", "tp_size", "dp_size", "enable_dp_attention", "ep_size", "pp_size", "nnodes", "node_rank",
-          "dist_init_addr", "trust_remote_code")
+          "dist_init_addr", "trust_remote_code", "speculative_algorithm", "speculative_draft_model_path",
+          "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 
 
 def deployment(args: Any) -> dict[str, Any]:
-    """What a recipe decides of ServerArgs: load format and its options, the parallel layout, the nodes."""
+    """What a recipe decides of ServerArgs: load format and its options, the parallel layout, the nodes, the
+    draft."""
     extra = args.model_loader_extra_config
     extra = json.loads(extra) if isinstance(extra, str) else dict(extra or {})
     return {**{f: getattr(args, f) for f in FIELDS}, **{f"extra.{k}": v for k, v in sorted(extra.items())}}

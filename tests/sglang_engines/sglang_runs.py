@@ -69,18 +69,27 @@ PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "to
            fixed_cpu_memory.NAME: "fixed_cpu_memory:register"}
 
 
+def plugin_environment(workdir: Path, plugins: dict[str, str], env: dict[str, str]) -> dict[str, str]:
+    """The environment of a process that runs SGLang with the test `plugins` ({name: "module:function"}) declared as
+    `sglang.srt.plugins` entry points of a directory under `workdir`, that directory, this one and stand_ins/ on
+    PYTHONPATH, and `env` on top of this process's."""
+    from engine_harness import declare_plugin
+
+    directory = workdir / "plugins"
+    for name, entry in plugins.items():
+        declare_plugin(directory, "sglang.srt.plugins", name, entry)
+    path = os.pathsep.join(p for p in (str(HERE), str(HERE / "stand_ins"), str(directory),
+                                       os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, **env, "PYTHONPATH": path}
+
+
 def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict, str]:
     """Run `plan` in a fresh process; (results, everything it and SGLang's processes printed)."""
     plan_path, results_path, log_path = workdir / "plan.json", workdir / "results.json", workdir / "engines.log"
     plan_path.write_text(json.dumps(plan))
-    from engine_harness import declare_plugin, record_engine_times
+    from engine_harness import record_engine_times
 
-    plugins = workdir / "plugins"
-    for name, entry in PLUGINS.items():
-        declare_plugin(plugins, "sglang.srt.plugins", name, entry)
-    path = os.pathsep.join(p for p in (str(HERE), str(HERE / "stand_ins"), str(plugins), os.environ.get("PYTHONPATH"))
-                           if p)
-    env = {**os.environ, **ENV, "PYTHONPATH": path}
+    env = plugin_environment(workdir, PLUGINS, ENV)
     with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs
         done = subprocess.run([sys.executable, __file__, str(plan_path), str(results_path)], stdout=log,
                               stderr=subprocess.STDOUT, timeout=timeout, env=env)

@@ -1,9 +1,9 @@
 """docs/recipes.md's `launch_server` lines, parsed by SGLang itself into its ServerArgs (recipe_configs.py:
 `prepare_server_args` after SGLang's plugins load; nothing starts), on a tiny converted DeepSeek-V3 in place of the
-published one. The supported recipe's configuration is the one test_sglang_mla.py ran (its engine arguments and
-environment, imported) but for the values a CPU cannot run, which the recipe names under "Not run" and this test
-under `gpu_only`: the DP and TP sizes (attention TP stays 1) and expert parallelism. The recipes not yet supported
-are parsed as well: their flags are SGLang's.
+published one. A supported recipe's configuration is the one its test ran (test_sglang_mla.py's engine arguments,
+test_sglang_drafts.py's in-process loads; their environment; imported) but for the values a CPU cannot run, which
+the recipe names under "Not run" and this test under `gpu_only`: the DP and TP sizes (attention TP stays 1) and
+expert parallelism. The recipes not yet supported are parsed as well: their flags are SGLang's.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import pytest
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.timeout(900)
 
+import draft_loading  # noqa: E402
+import test_sglang_drafts  # noqa: E402
 import test_sglang_mla  # noqa: E402
 from recipes import read_recipes  # noqa: E402
 
@@ -31,9 +33,13 @@ RECIPES = {
     "deepseek-v3-bf16-sglang-one-node": (
         {"load_format": "shardprep", **test_sglang_mla.DP_ATTENTION, **test_sglang_mla.SHARDED},
         test_sglang_mla.REPLICATED_SHARED_EXPERT, {"tp_size", "dp_size", "ep_size"}),
+    "deepseek-v3-mtp-sglang-one-node": (
+        {"load_format": "shardprep", **test_sglang_drafts.DP_ATTENTION, **test_sglang_mla.SHARDED,
+         **draft_loading.SPECULATIVE["NEXTN"]},
+        test_sglang_drafts.REPLICATED_SHARED_EXPERT, {"tp_size", "dp_size", "ep_size"}),
 }
-"""Every supported SGLang recipe: the engine arguments and environment test_sglang_mla.py ran, and what the recipe
-sets otherwise (GPU only)."""
+"""Every supported SGLang recipe: the engine arguments and environment its test ran (test_sglang_mla.py's engines,
+test_sglang_drafts.py's in-process loads), and what the recipe sets otherwise (GPU only)."""
 NOT_YET = ("deepseek-v3-sglang-one-node", "deepseek-v3-sglang-two-nodes", "kimi-k3-sglang-one-node")
 GPU_ONLY = {"tp_size", "dp_size", "ep_size", "nnodes", "node_rank", "dist_init_addr", "extra.shard_group_size"}
 SAYS = {"tp_size": r"DP\s+\d+", "dp_size": r"DP\s+\d+", "ep_size": r"expert\s+parallelism"}

@@ -17,6 +17,10 @@
 - The CPU linear layers: with AMX, SGLang repacks an unquantized weight after loading (`_amx_process_weight_
   after_loading`) for its own kernel; a layer whose weight is swapped in per forward must keep the plain path
   (`keep_plain`).
+- Drafts: which object the target's load and the draft's both see (`deployment`: the scheduler process's
+  ServerArgs), whether the draft is the target's own MTP layer (`serves_mtp_draft`), how SGLang names a NextN
+  draft's layer (`model.decoder`, the checkpoint's layer L: `nextn_layer`) and builds a DFlash draft's linear
+  layers (without their names), and which draft parameters SGLang takes from the target.
 
 Nothing else in shardprep imports SGLang's internals.
 """
@@ -26,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -150,6 +154,38 @@ def manifest_name(name: str) -> str:
     return _renamed(name, ((sglangs, ours) for ours, sglangs in MODEL_NAMES.items()))
 
 
+NEXTN_DECODER = "model.decoder."
+"""Where SGLang's NextN draft (`DeepseekV3ForCausalLMNextN`) builds its one decoder layer: the checkpoint's layer L
+(`model.layers.L.`, its MTP layer) as `model.decoder.` (`deepseek_nextn.py`; the replicated `enorm`, `hnorm`,
+`eh_proj` and `shared_head.norm` as `model.*`)."""
+NEXTN_ARCHITECTURES = ("DeepseekV3ForCausalLMNextN",)
+"""The draft architectures SGLang builds from a DeepSeek-V3 (or Kimi-K2) target's own MTP layer, NEXTN."""
+
+
+def nextn_layer(model_config: Any) -> int | None:
+    """The checkpoint layer SGLang builds as a NextN draft's `model.decoder` (SGLang's own rule,
+    `_initialize_nextn_conf`: layer `num_hidden_layers`, or 0 for a one-layer draft checkpoint); None when
+    `model_config` is not a NextN draft's.
+
+    >>> layer = nextn_layer(draft_runner.model_config)  # doctest: +SKIP
+    """
+    if model_config is None or not getattr(model_config, "is_draft_model", False):
+        return None
+    config = model_config.hf_config
+    if (getattr(config, "architectures", None) or [""])[0] not in NEXTN_ARCHITECTURES:
+        return None
+    return 0 if config.num_hidden_layers == 1 else int(config.num_hidden_layers)
+
+
+def nextn_manifest_name(name: str, layer: int) -> str:
+    """The manifest's name for a NextN draft's parameter: its decoder layer as the checkpoint's layer `layer`.
+
+    >>> nextn_manifest_name("model.decoder.self_attn.o_proj.weight", 8)
+    'model.layers.8.self_attn.o_proj.weight'
+    """
+    return f"model.layers.{layer}.{name[len(NEXTN_DECODER):]}" if name.startswith(NEXTN_DECODER) else name
+
+
 def _renamed(name: str, renames: Iterable[tuple[str, str]]) -> str:
     for old, new in renames:
         if name.endswith("." + old):
@@ -203,9 +239,98 @@ def is_quantized(module: nn.Module) -> bool:
     return method is not None and not isinstance(method, UnquantizedLinearMethod)
 
 
+def keep_context_kv_resident(attention: nn.Module) -> None:
+    """Give a DFlash attention layer (SGLang 0.5.23's `DFlashAttention`) a resident copy of its `qkv_proj` K/V rows,
+    taken now, and make its `kv_proj_only` project with it: SGLang's own fast path (`F.linear` on those rows, then
+    the split and `v_scale`) on the copy instead of on the weight, which sharded mode rebinds to a slot.
+
+    >>> keep_context_kv_resident(draft.layers[0].self_attn)  # doctest: +SKIP
+    """
+    import torch.nn.functional as F
+
+    qkv: Any = attention.qkv_proj
+    sizes: Any = attention  # SGLang's int attributes (q_size, kv_size), typed as modules' attributes
+    if is_quantized(qkv):
+        raise ShardprepError(f"shard_weights: the DFlash draft's qkv_proj is quantized "
+                             f"({type(qkv.quant_method).__name__}); its context K/V projection reads the weight "
+                             "outside its layer, which sharded mode keeps resident only unquantized; serve the draft "
+                             "in full mode")
+    q_size, kv_size = int(sizes.q_size), int(sizes.kv_size)
+    rows = slice(q_size, q_size + 2 * kv_size)
+    weight = qkv.weight[rows].clone()
+    bias = None if qkv.bias is None else qkv.bias[rows].clone()
+
+    def kv_proj_only(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = F.linear(hidden_states, weight, bias).split([kv_size, kv_size], dim=-1)
+        scale = getattr(attention, "v_scale", None)
+        return k, (v if scale is None else v * scale)
+
+    attention.kv_proj_only = kv_proj_only  # type: ignore[assignment]  # the instance's, over DFlashAttention's
+
+
 def logger() -> logging.Logger:
     """The logger the startup line goes to."""
     return logging.getLogger(LOGGER_NAME)
+
+
+def deployment() -> Any:
+    """The object the target's load and its draft's both see in SGLang's scheduler process: the published
+    ServerArgs (`runtime_context.get_server_args`; a draft worker is built from the same one and never publishes
+    its own). The target's `ShardedLoad` is handed to the draft's load under it (`drafts.hand_to_draft`)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    return get_server_args()
+
+
+def runs_a_draft() -> bool:
+    """Whether SGLang runs speculative decoding here (a draft worker is built after the target)."""
+    from sglang.srt.runtime_context import get_spec
+
+    return get_spec().speculative_algorithm is not None
+
+
+MTP_ALGORITHMS = ("EAGLE", "NEXTN")
+"""SGLang's speculative algorithms that, with the draft path the target's own (SGLang's default for DeepSeek-V3,
+`_handle_eagle_family`), run the target checkpoint's MTP layer as the draft; NEXTN resolves to EAGLE."""
+
+
+def serves_mtp_draft(directory: str) -> bool:
+    """Whether SGLang runs the MTP layer of `directory`, the target's, as its draft (NEXTN or EAGLE with the
+    target's own path as the draft's)."""
+    from pathlib import Path
+
+    from sglang.srt.runtime_context import get_spec
+
+    spec = get_spec()
+    draft = spec.speculative_draft_model_path
+    return (spec.speculative_algorithm in MTP_ALGORITHMS and draft is not None
+            and Path(draft).resolve() == Path(directory).resolve())
+
+
+def refuse_published_draft(directory: str, sharded: bool) -> None:
+    """Refuse, in one line naming the draft and the ways on, a draft model that SGLang loads with this load format
+    (the target's, when `--speculative-draft-load-format` is not given) but that is no `shardprep convert` output.
+    Beside a sharded target (`sharded`) the draft cannot be loaded apart: SGLang 0.5.23 gives the draft the target's
+    `--model-loader-extra-config`, and its own loaders refuse the `shard_weights` key.
+
+    >>> refuse_published_draft("z-lab/Qwen3-8B-DFlash-b16", sharded=True)  # doctest: +SKIP
+    """
+    from pathlib import Path
+
+    from sglang.srt.runtime_context import get_spec
+
+    from ...manifests.manifest import MANIFEST_NAME
+
+    if (Path(directory) / MANIFEST_NAME).is_file():
+        return
+    apart = ("(SGLang gives the draft the target's --model-loader-extra-config, which its own loaders refuse, so it "
+             "cannot be loaded apart beside a sharded target)" if sharded else
+             "or load it apart with --speculative-draft-load-format auto")
+    raise ShardprepError(
+        f"{directory}: the {get_spec().speculative_algorithm or 'speculative'} draft model is loaded with load_format "
+        "shardprep, as its target is, but is not an output of `shardprep convert` (no shard_manifest.json); convert "
+        f"it with the target's --ranks (`shardprep convert {directory} DRAFT_OUT --ranks N`) and pass "
+        f"--speculative-draft-model-path DRAFT_OUT {apart}")
 
 
 @contextmanager
@@ -221,15 +346,29 @@ def targets_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[t
     parameter could not be pointed at device memory later, which is what `bind` does). A quantized layer's
     weights are built as SGLang builds them (sharded mode processes them at load, or refuses them).
 
+    SGLang 0.5.23's DFlash draft (`models/dflash.py`) names its layers' linear layers only when its checkpoint is
+    quantized (`DFlashDraftModel.quantizable`; otherwise every layer's is `qkv_proj`, `o_proj`, ...): while the
+    model is built here, a DFlash decoder layer built without a prefix is given the one SGLang gives a quantized
+    draft's, `layers.{i}`, which SGLang reads for nothing else (a linear layer's prefix selects its quant method).
+
     >>> with targets_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
     ...     model = _initialize_model(model_config, load_config, quant_config)
     """
     from sglang.srt.layers.linear import LinearBase
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+    from sglang.srt.models.dflash import DFlashDecoderLayer
 
     made: list[tuple[str, nn.Parameter]] = []
     original_init, original_create = LinearBase.__init__, UnquantizedLinearMethod.create_weights
+    original_dflash_init = DFlashDecoderLayer.__init__
     prefix_of = inspect.signature(original_init)
+    dflash_arguments = inspect.signature(original_dflash_init)
+
+    def dflash_init(layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+        arguments = dflash_arguments.bind(layer, *args, **kwargs).arguments
+        if not arguments.get("prefix"):
+            arguments["prefix"] = f"layers.{arguments['layer_id']}"
+        original_dflash_init(**arguments)
 
     def init(layer: nn.Module, *args: Any, **kwargs: Any) -> None:
         layer.__dict__[PREFIX] = prefix_of.bind(layer, *args, **kwargs).arguments.get("prefix", "")
@@ -250,11 +389,13 @@ def targets_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[t
 
     LinearBase.__init__ = init
     UnquantizedLinearMethod.create_weights = create_weights
+    DFlashDecoderLayer.__init__ = dflash_init
     try:
         yield made
     finally:
         LinearBase.__init__ = original_init
         UnquantizedLinearMethod.create_weights = original_create
+        DFlashDecoderLayer.__init__ = original_dflash_init
 
 
 class SglangAdapter(ServerAdapter):
@@ -285,7 +426,8 @@ class SglangAdapter(ServerAdapter):
         return model_name
 
     def manifest_name(self, name: str) -> str:
-        return manifest_name(name)
+        layer = nextn_layer(self.model_config)
+        return manifest_name(name if layer is None else nextn_manifest_name(name, layer))
 
     def is_quantized(self, module: nn.Module) -> bool:
         return is_quantized(module)
@@ -295,6 +437,55 @@ class SglangAdapter(ServerAdapter):
         from sglang.srt.model_loader.weight_utils import default_weight_loader
 
         return default_weight_loader
+
+    def defaulted_parameters(self, model: nn.Module) -> set[str]:
+        """A NextN draft's embedding and LM head: SGLang's NextN `load_weights` skips the checkpoint's
+        (`embed_tokens`, `shared_head.head`), and its EAGLE worker gives the draft the target's after loading
+        (`set_embed_and_head`)."""
+        if nextn_layer(self.model_config) is None:
+            return set()
+        return {name for name, _ in model.named_parameters()
+                if name in ("model.embed_tokens.weight", "lm_head.weight")}
+
+    def copy_draft_weights_at_load(self, model: nn.Module) -> None:
+        """SGLang 0.5.23's DFlash worker projects the target's hidden states to every draft layer's K/V before the
+        draft's layers run (`_append_target_hidden_to_draft_kv`: each layer's `self_attn.kv_proj_only`, which reads
+        the K/V rows of its `qkv_proj.weight`; on CUDA the fused path copies those rows of every layer once, when
+        the worker starts). Those are reads of a bound weight outside its layer, which would find another layer's
+        bytes in the slot. So each layer's K/V rows are kept resident, copied here from the gathered weights
+        (`keep_context_kv_resident`; on CUDA full mode holds the same copy, in SGLang's fused helper), and the
+        fused path, whose copy would be taken from the slots, is turned off (`supports_fused_context_kv`,
+        SGLang's own switch for drafts it cannot serve that way)."""
+        layers = getattr(model, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            return
+        for layer in layers:
+            attention = getattr(layer, "self_attn", None)
+            if attention is not None and hasattr(attention, "kv_proj_only"):
+                keep_context_kv_resident(attention)
+        model.supports_fused_context_kv = False  # type: ignore[assignment]  # SGLang's attribute, read by its worker
+
+    def draft_layer_modules(self, model: nn.Module, layers: Sequence[int]) -> Mapping[int, nn.Module]:
+        """The draft model's module for each draft layer: a NextN draft's one decoder layer (`model.decoder`, the
+        checkpoint's MTP layer L, `nextn_layer`), or a DFlash draft model's layer i (`layers[i]`: SGLang's
+        DFlashDraftModel has no `model.` level, and numbers its layers as its checkpoint does)."""
+        decoder = getattr(getattr(model, "model", None), "decoder", None)
+        if isinstance(decoder, nn.Module):
+            expected = nextn_layer(self.model_config)
+            if expected is None or list(layers) != [expected]:
+                raise ShardprepError(f"the manifest's MTP draft layers are {list(layers)}, but SGLang builds its NextN "
+                                     f"draft ({type(model).__name__}) from layer {expected}; was the directory "
+                                     "converted from this checkpoint?")
+            return {expected: decoder}
+        found = getattr(model, "layers", None)
+        if not isinstance(found, nn.ModuleList):
+            raise ShardprepError(f"the draft model ({type(model).__name__}) has neither a NextN decoder "
+                                 "(model.decoder) nor a layer list (layers); shard_weights binds SGLang's NextN "
+                                 "drafts of DeepSeek-V3 and its DFlash draft models")
+        if max(layers) >= len(found):
+            raise ShardprepError(f"the draft model ({type(model).__name__}) has {len(found)} layers, the draft's "
+                                 f"output {max(layers) + 1}; was it converted from this draft?")
+        return {i: found[i] for i in layers}
 
     def refuse_unshardable(self, model: nn.Module, targets: Mapping[str, nn.Parameter], directory: str) -> None:
         """Refuse, in one line, targets that SGLang builds so that no rank holds the checkpoint's replicated weight:

@@ -1,5 +1,12 @@
 """The model loader behind SGLang's `--load-format shardprep`: SGLang's loader lifecycle, each step handed to the
-shared flows (`sharded_load.ShardedLoad`, `output_weights`), asking SGLang's questions through `SglangAdapter`."""
+shared flows (`sharded_load.ShardedLoad`, `drafts.DraftLoad`, `output_weights`), asking SGLang's questions through
+`SglangAdapter`.
+
+SGLang builds, loads and post-processes a model in one call, `load_model`; with speculative decoding its scheduler
+process loads the target, then the draft (a ModelRunner of its own, `is_draft_worker`, with `model_config.
+is_draft_model` set), each with a loader of its own made from the same load format (`--speculative-draft-load-format`
+if given, else the target's) and the same `--model-loader-extra-config`.
+"""
 
 from __future__ import annotations
 
@@ -20,10 +27,12 @@ from torch import nn
 
 from ...manifests.manifest import load_manifest
 from ...runtime.binding import Binding
+from ..drafts import DraftLoad, hand_to_draft
 from ..load_check import check_all_loaded, tracked_loading
 from ..load_options import ShardprepLoadOptions
 from ..output_weights import output_weights
 from ..sharded_load import ShardedLoad
+from . import adapter as sglang_adapter
 from .adapter import SglangAdapter
 
 
@@ -41,6 +50,11 @@ class ShardprepModelLoader(DefaultModelLoader):
     refused (`SglangAdapter.refuse_unshardable`). SGLang's post-load step then runs on the model as usual:
     DeepseekV2's `post_load_weights` reads only kv_b_proj, which the deepseek-v3 preset keeps replicated.
 
+    With speculative decoding, the target's load is handed to the draft's under SGLang's ServerArgs, the one object
+    both loads see in the scheduler process (`drafts.hand_to_draft`); the draft (a NextN draft of the target's own
+    MTP layer, or a DFlash draft model from its own output) is then bound in the target's gatherer
+    (`drafts.DraftLoad`).
+
     >>> sgl.Engine(model_path="out/", load_format="shardprep")  # doctest: +SKIP
     """
 
@@ -49,12 +63,15 @@ class ShardprepModelLoader(DefaultModelLoader):
         BaseModelLoader.__init__(self, load_config)
         self.options = ShardprepLoadOptions.from_extra_config(load_config.model_loader_extra_config)
         self.target: ShardedLoad | None = None
+        self.draft: DraftLoad | None = None
         self._directory = ""
+        self._model_config: ModelConfig | None = None
 
     @property
     def binding(self) -> Binding | None:
-        """The target's binding in sharded mode; None otherwise."""
-        return self.target.binding if self.target is not None else None
+        """The target's binding in sharded mode (also the draft's, once bound); None otherwise."""
+        load = self.target if self.target is not None else self.draft
+        return load.binding if load is not None else None
 
     def download_model(self, model_config: ModelConfig) -> None:
         load_manifest(model_config.model_path)  # nothing to download: a local output directory, or a clear refusal
@@ -67,24 +84,35 @@ class ShardprepModelLoader(DefaultModelLoader):
                                      target_device: torch.device) -> None:
         """Full mode's load (SGLang's own, with the weights from DIR), watched: SGLang's models report nothing
         from `load_weights`, so every parameter must have gone through a weight loader (load_check.py)."""
-        adapter = SglangAdapter(None, target_device)
+        adapter = SglangAdapter(self._model_config, target_device)
         with tracked_loading(model, adapter.default_weight_loader()) as seen:
             DefaultModelLoader.load_weights_only(model, weights, target_device)
         check_all_loaded(model, None, self._directory, also=adapter.defaulted_parameters(model), seen=seen)
         DefaultModelLoader.postprocess_weights(model, target_device)
 
     def load_model(self, *, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
-        self._directory = model_config.model_path
+        self._directory, self._model_config = model_config.model_path, model_config
+        if model_config.is_draft_model:
+            sglang_adapter.refuse_published_draft(model_config.model_path, self.options.shard_weights)
         if not self.options.shard_weights:
             return super().load_model(model_config=model_config, device_config=device_config)
         device = torch.device(device_config.device)
         adapter = SglangAdapter(model_config, device)
-        self.target = ShardedLoad(adapter, model_config.model_path, self.options)
+        deployment = sglang_adapter.deployment()
+        load: ShardedLoad | DraftLoad
+        if model_config.is_draft_model:
+            load = self.draft = DraftLoad(adapter, model_config.model_path, self.options, deployment)
+        else:
+            load = self.target = ShardedLoad(adapter, model_config.model_path, self.options,
+                                             with_draft=sglang_adapter.serves_mtp_draft(model_config.model_path))
         quant_config = _get_quantization_config(model_config, self.load_config)
         with set_default_torch_dtype(model_config.dtype):
             with device:
-                model = self.target.build(lambda: _initialize_model(model_config, self.load_config, quant_config))
-            self.target.load(model)
+                model = load.build(lambda: _initialize_model(model_config, self.load_config, quant_config))
+            load.load(model)
             DefaultModelLoader.postprocess_weights(model, device)
-            self.target.check_after_processing()
+            if self.target is not None:
+                self.target.check_after_processing()
+                if sglang_adapter.runs_a_draft():
+                    hand_to_draft(deployment, self.target)
         return model.eval()
