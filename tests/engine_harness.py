@@ -1,5 +1,6 @@
 """What the vLLM and SGLang engine runners (vllm_engines/engine_runs.py, sglang_engines/sglang_runs.py) share, in
-the test's process: declaring a test plugin to a server, and copying the engines' timing lines for CI.
+the test's process: declaring a test plugin to a server, copying the engines' timing lines for CI, and running one
+script per DP rank (the in-process build-and-load tests: k3_loading.py, draft_loading.py).
 
 Imported by the runners' `run_engines` only (the test's process, where tests/ is on sys.path), never by the
 runner scripts' engine processes.
@@ -7,9 +8,13 @@ runner scripts' engine processes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 
 def declare_plugin(directory: Path, group: str, name: str, entry: str) -> None:
@@ -29,3 +34,25 @@ def record_engine_times(output: str, workdir: Path) -> None:
         with open(target, "a") as f:
             # DP ranks print at once, so two lines can share one line of the log: find each by its shape.
             f.writelines(f"{workdir.name}: {hit}\n" for hit in re.findall(r"ENGINE-TIME .*? generate [\d.]+ s", output))
+
+
+def run_per_rank(script: Path, plans: list[dict[str, Any]], root: Path, env: dict[str, str],
+                 timeout: float = 1500) -> list[dict[str, Any]]:
+    """Run `script PLAN.json RESULTS.json` once per DP rank, all at once (they meet in a process group), each with its
+    plan; every rank's results, or an assertion error showing the end of the failed rank's log (rankR.log in `root`)."""
+    procs = []
+    for rank, plan in enumerate(plans):
+        (root / f"plan{rank}.json").write_text(json.dumps(plan))
+        log = open(root / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, str(script), str(root / f"plan{rank}.json"),
+                                        str(root / f"results{rank}.json")], stdout=log, stderr=subprocess.STDOUT,
+                                       env=env), log))
+    for proc, log in procs:
+        proc.wait(timeout=timeout)
+        log.close()
+    results = []
+    for rank, (proc, _) in enumerate(procs):
+        text = (root / f"rank{rank}.log").read_text()
+        assert proc.returncode == 0 and (root / f"results{rank}.json").exists(), text[-6000:]
+        results.append(json.loads((root / f"results{rank}.json").read_text()))
+    return results

@@ -6,10 +6,14 @@ argument parsers and to the engine tests' configurations.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 BLOCK = re.compile(r"^```bash recipe=(?P<id>[\w-]+)\n(?P<body>.*?)^```$", re.S | re.M)
@@ -103,3 +107,17 @@ def read_recipes(page: Path = PAGE) -> dict[str, Recipe]:
         key = block.group("id") if block else re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
         recipes[key] = Recipe(key, title, server, prose.strip(), commands(block.group("body")) if block else [])
     return recipes
+
+
+def configure_each(in_path: str, out_path: str, configure: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """The servers' recipe_configs.py scripts: `configure(job)` for every job of IN (a JSON object of named jobs),
+    each result, or the job's refusal as {"error": "Type: message"}, written to OUT by name."""
+    results = {}
+    for name, job in json.loads(open(in_path).read()).items():
+        try:
+            results[name] = configure(job)
+        except BaseException as exc:  # argparse exits; any refusal is a result to compare
+            traceback.print_exc()
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    with open(out_path, "w") as f:
+        json.dump(results, f, indent=1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
+from pathlib import Path
 from typing import Any
 
 FIELDS = ("load_format", "tp_size", "dp_size", "enable_dp_attention", "ep_size", "pp_size", "nnodes", "node_rank",
@@ -34,16 +34,11 @@ def main(in_path: str, out_path: str) -> None:
     load_plugins()  # as launch_server does first: shardprep's plugin adds its load format to the choices
     from sglang.srt.server_args import ServerArgs, prepare_server_args
 
-    results = {}
-    for name, job in json.loads(open(in_path).read()).items():
-        try:
-            args = prepare_server_args(job["launch"]) if "launch" in job else ServerArgs(**job["engine"])
-            results[name] = deployment(args)
-        except BaseException as exc:  # argparse exits; any refusal is a result to compare
-            traceback.print_exc()
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    with open(out_path, "w") as f:
-        json.dump(results, f, indent=1)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: recipes.py
+    from recipes import configure_each
+
+    configure_each(in_path, out_path, lambda job: deployment(prepare_server_args(job["launch"]) if "launch" in job
+                                                             else ServerArgs(**job["engine"])))
 
 
 if __name__ == "__main__":

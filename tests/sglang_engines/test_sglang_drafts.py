@@ -32,14 +32,12 @@ nothing to bind there. Skipped where SGLang is not installed.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from engine_harness import run_per_rank
 
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.timeout(1800)
@@ -101,7 +99,7 @@ def loaded(checkpoint_cache, tmp_path_factory):
     mine = {name: own_rank_directories(out, root) for name, out in outs.items()}
     env = plugin_environment(root, PLUGINS, ENV)
     port = free_port()
-    procs = []
+    plans = []
     for rank in range(DP):
         nextn = {"algorithm": "NEXTN"}
         dflash = {"algorithm": "DFLASH"}
@@ -125,20 +123,8 @@ def loaded(checkpoint_cache, tmp_path_factory):
             {"name": "dflash padded", "model": mine["qwen"][rank], "draft": mine["dflash padded"][rank],
              "load_format": "shardprep", "sharded": True, **dflash},
         ]
-        (root / f"plan{rank}.json").write_text(json.dumps({"layout": DP_ATTENTION, "dp_rank": rank, "port": port,
-                                                          "runs": runs}))
-        log = open(root / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(HERE / "draft_loading.py"), str(root / f"plan{rank}.json"),
-                                        str(root / f"results{rank}.json")], stdout=log, stderr=subprocess.STDOUT,
-                                       env=env), log))
-    for proc, log in procs:
-        proc.wait(timeout=1500)
-        log.close()
-    results = []
-    for rank, (proc, _) in enumerate(procs):
-        text = (root / f"rank{rank}.log").read_text()
-        assert proc.returncode == 0 and (root / f"results{rank}.json").exists(), text[-6000:]
-        results.append(json.loads((root / f"results{rank}.json").read_text()))
+        plans.append({"layout": DP_ATTENTION, "dp_rank": rank, "port": port, "runs": runs})
+    results = run_per_rank(HERE / "draft_loading.py", plans, root, env)
     return root, outs, sources, results
 
 

@@ -12,9 +12,7 @@ config.json and checks the parallel layout but loads no weight. OUT: {name: the 
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -65,21 +63,18 @@ def k3_config(model: str, dp_size: int) -> dict[str, Any]:
     return deployment(k3_engine_config(model, "shardprep", {"shard_weights": True}, dp_size, 0, free_port()))
 
 
+def configure(job: dict[str, Any]) -> dict[str, Any]:
+    if "serve" in job:
+        return serve_config(job["serve"], job.get("cpu_only", []))
+    if "engine" in job:
+        return engine_config(job["engine"])
+    return k3_config(*job["k3"])
+
+
 def main(in_path: str, out_path: str) -> None:
-    results = {}
-    for name, job in json.loads(open(in_path).read()).items():
-        try:
-            if "serve" in job:
-                results[name] = serve_config(job["serve"], job.get("cpu_only", []))
-            elif "engine" in job:
-                results[name] = engine_config(job["engine"])
-            else:
-                results[name] = k3_config(*job["k3"])
-        except BaseException as exc:  # argparse exits; any refusal is a result to compare
-            traceback.print_exc()
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    with open(out_path, "w") as f:
-        json.dump(results, f, indent=1)
+    from recipes import configure_each
+
+    configure_each(in_path, out_path, configure)
 
 
 if __name__ == "__main__":

@@ -38,11 +38,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from engine_harness import run_per_rank
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(1800)
@@ -118,26 +117,14 @@ def k3(k3_out):
     port = free_port()
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH"))
                                                                if p)}
-    procs = []
+    plans = []
     for rank in range(DP):
-        plan = {"dp_size": DP, "dp_rank": rank, "dp_port": port, "source": str(src),
-                "refusals": {"kv_b_proj": str(root / "with-kv-b-proj"),
-                             "another preset": str(root / "deepseek-v3-preset")},
-                "published": {"source": str(root / "published"), "full": str(root / "published-out"),
-                              "sharded": [str(root / f"published-out-dp{r}") for r in range(DP)]}}
-        (root / f"plan{rank}.json").write_text(json.dumps(plan))
-        log = open(root / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(HERE / "k3_loading.py"), str(root / f"plan{rank}.json"),
-                                        str(root / f"results{rank}.json")], stdout=log, stderr=subprocess.STDOUT,
-                                       env=env), log))
-    for proc, log in procs:
-        proc.wait(timeout=1500)
-        log.close()
-    results = []
-    for rank, (proc, _) in enumerate(procs):
-        text = (root / f"rank{rank}.log").read_text()
-        assert proc.returncode == 0 and (root / f"results{rank}.json").exists(), text[-6000:]
-        results.append(json.loads((root / f"results{rank}.json").read_text()))
+        plans.append({"dp_size": DP, "dp_rank": rank, "dp_port": port, "source": str(src),
+                      "refusals": {"kv_b_proj": str(root / "with-kv-b-proj"),
+                                   "another preset": str(root / "deepseek-v3-preset")},
+                      "published": {"source": str(root / "published"), "full": str(root / "published-out"),
+                                    "sharded": [str(root / f"published-out-dp{r}") for r in range(DP)]}})
+    results = run_per_rank(HERE / "k3_loading.py", plans, root, env)
     return src, out, results, root / "published-out"
 
 
