@@ -7,7 +7,10 @@ once ran on uninitialized weights this way, every proposal token 0, with no erro
 and SGLang load a parameter by calling its `weight_loader` attribute, or their `default_weight_loader` when it has
 none; `tracked_loading` wraps both for the duration of the load and records which parameters were passed to one.
 A model that reports a set is checked against that set, as the servers' own loaders check it; one that reports
-None is checked against what was seen.
+None is checked against what was seen, and against what any model inside it reported: a multimodal wrapper may
+pass its language model's weights to that model's own `load_weights`, which reports what it loaded (some of it
+copied in place, through no weight loader: SGLang's Kimi K3 fills `fused_qkv_a_proj_with_mqa` so), and drop the
+answer (SGLang's KimiK3ForConditionalGeneration returns None).
 """
 
 from __future__ import annotations
@@ -74,14 +77,34 @@ def tracked_loading(model: nn.Module, default_loader: Callable[..., Any] | None)
         original = getattr(held, "weight_loader", missing)
         held.weight_loader = _Tracked(default_loader if original is missing or original is None else original, seen)
         restore.append((held, original))
+    inner = [module for name, module in model.named_modules()
+             if name and callable(getattr(type(module), "load_weights", None)) and "load_weights" not in module.__dict__]
+    for module in inner:
+        module.__dict__["load_weights"] = _reporting(module, seen)
     try:
         yield seen
     finally:
+        for module in inner:
+            del module.__dict__["load_weights"]
         for param, original in restore:
             if original is missing:
                 del param.weight_loader
             else:
                 param.weight_loader = original
+
+
+def _reporting(module: nn.Module, seen: set[int]) -> Callable[..., Any]:
+    """`module.load_weights`, which also marks as seen the parameters it reports loading (names inside `module`)."""
+    load = type(module).load_weights  # type: ignore[attr-defined]
+
+    def load_weights(*args: Any, **kwargs: Any) -> Any:
+        loaded = load(module, *args, **kwargs)
+        if isinstance(loaded, (set, frozenset, list, tuple)):  # a collection: reading it consumes nothing
+            params = dict(module.named_parameters())
+            seen.update(id(params[name]) for name in loaded if name in params)
+        return loaded
+
+    return load_weights
 
 
 def check_all_loaded(model: nn.Module, loaded: Iterable[str] | None, directory: str | Path,
