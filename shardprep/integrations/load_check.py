@@ -77,8 +77,8 @@ def tracked_loading(model: nn.Module, default_loader: Callable[..., Any] | None)
         original = getattr(held, "weight_loader", missing)
         held.weight_loader = _Tracked(default_loader if original is missing or original is None else original, seen)
         restore.append((held, original))
-    inner = [module for name, module in model.named_modules()
-             if name and callable(getattr(type(module), "load_weights", None)) and "load_weights" not in module.__dict__]
+    inner = [module for name, module in model.named_modules() if name and "load_weights" not in module.__dict__
+             and callable(getattr(type(module), "load_weights", None))]
     for module in inner:
         module.__dict__["load_weights"] = _reporting(module, seen)
     try:

@@ -24,7 +24,7 @@ from ..load_check import check_all_loaded, tracked_loading
 from ..load_options import ShardprepLoadOptions
 from ..output_weights import output_weights
 from ..sharded_load import ShardedLoad
-from .adapter import SglangAdapter
+from .adapter import SglangAdapter, relink_merged_weights
 
 
 class ShardprepModelLoader(DefaultModelLoader):
@@ -39,7 +39,9 @@ class ShardprepModelLoader(DefaultModelLoader):
     builds the model, loads and post-processes it in `load_model`, before it sizes its KV pool from the memory
     left; the flow runs there, in that order (sharded_load.py). A target that SGLang splits over TP or pads is
     refused (`SglangAdapter.refuse_unshardable`). SGLang's post-load step then runs on the model as usual:
-    DeepseekV2's `post_load_weights` reads only kv_b_proj, which the deepseek-v3 preset keeps replicated.
+    DeepseekV2's `post_load_weights` reads only kv_b_proj, which the deepseek-v3 preset keeps replicated; Kimi K3's
+    (run inside its `load_weights`) also merges bound weights into buffers of its own, which are pointed at the
+    gathered bytes or dropped once the model is bound (`relink_merged_weights`).
 
     >>> sgl.Engine(model_path="out/", load_format="shardprep")  # doctest: +SKIP
     """
@@ -84,7 +86,8 @@ class ShardprepModelLoader(DefaultModelLoader):
         with set_default_torch_dtype(model_config.dtype):
             with device:
                 model = self.target.build(lambda: _initialize_model(model_config, self.load_config, quant_config))
-            self.target.load(model)
+            binding = self.target.load(model)
+            relink_merged_weights(model, binding.target_parameters, self.target.manifest)
             DefaultModelLoader.postprocess_weights(model, device)
             self.target.check_after_processing()
         return model.eval()
