@@ -223,6 +223,14 @@ def test_what_an_inner_model_reports_loading_counts_when_its_wrapper_reports_not
         loaded = model.load_weights([])  # the language model loaded nothing
     with pytest.raises(ShardprepError, match="'language_model.proj.weight'"):
         check_all_loaded(model, loaded, "out/", seen=seen)
+    text = TextModel()
+    text.alias = text.proj.weight  # one parameter, two names: loaded under either
+    check_all_loaded(text, {"proj.weight", "norm.weight"}, "out/")
+    with pytest.raises(ShardprepError, match="'alias'"):  # the name torch lists it by: the module's own first
+        check_all_loaded(text, {"norm.weight"}, "out/")
+    with tracked_loading(text, lambda p, t: p.data.copy_(t)) as seen:
+        text.load_weights([("proj.weight", torch.ones(2, 2))])  # the caller drops the answer (SGLang's loader does)
+    check_all_loaded(text, None, "out/", seen=seen)
 
 
 def test_options_default_to_verified_full_mode_and_refuse_unknown_keys():

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ...errors import ShardprepError
+from ...runtime.binding import Binding
 from ...runtime.views import placeholder
 from ..server import Built, OptionSpelling, ServerAdapter, WorkerLayout
 
@@ -221,7 +222,7 @@ def padded_sizes(model_config: Any) -> dict[str, tuple[int, int]]:
             if hasattr(config, f"original_{name}") and getattr(config, f"original_{name}") != getattr(config, name)}
 
 
-def relink_merged_weights(model: nn.Module, bound: Mapping[str, nn.Parameter], manifest: Any) -> list[str]:
+def relink_merged_weights(model: nn.Module, binding: Binding) -> list[str]:
     """Point what SGLang merged from bound weights while loading at the gathered bytes, or let the layer read the
     bound weights themselves; the names of the modules changed.
 
@@ -232,25 +233,25 @@ def relink_merged_weights(model: nn.Module, bound: Mapping[str, nn.Parameter], m
     - on CUDA/ROCm a MoE layer's `_front_w` = [shared gate_up_proj; router gate; routed_expert_down_proj]
       (`_merge_front_weights`).
     A bound weight is gathered into its slot before its layer runs, so such a copy would keep the placeholders'
-    bytes. `_bfa_w` becomes the same rows of the gathered layer where they lie there back to back with zero rows
-    after them (the kimi-k3 preset's in_proj_qkvgfab puts f_a and b so, followed by its pad rows, which are zero
-    bytes of the layer); otherwise, and for the others, the merged buffer is dropped and SGLang's unmerged path
-    runs, reading the bound weights (one GEMM more per layer).
+    bytes. `_bfa_w` becomes the same rows of the gathered layer where a fused view of the manifest holds them so,
+    f_a then b last, with as many pad rows after them (the kimi-k3 preset's in_proj_qkvgfab: its pad rows are
+    zero bytes of the layer); otherwise, and for `_front_w` (its router gate is not a target), the merged buffer
+    is dropped and SGLang's unmerged path runs, reading the bound weights (one GEMM more per layer).
 
-    >>> relink_merged_weights(model, binding.target_parameters, binding.shards.manifest)  # doctest: +SKIP
+    >>> relink_merged_weights(model, binding)  # doctest: +SKIP
     """
-    ids = {id(p): name for name, p in bound.items()}
+    names = {id(p): name for name, p in binding.target_parameters.items()}
     changed = []
     for name, module in model.named_modules():
         merged = [m for m in (getattr(module, "f_a_proj", None), getattr(module, "b_proj", None)) if m is not None]
-        if getattr(module, "_bfa_w", None) is not None and any(id(m.weight) in ids for m in merged):
-            module._bfa_w = _gathered_rows(module, ids, manifest)
+        if getattr(module, "_bfa_w", None) is not None and any(id(m.weight) in names for m in merged):
+            module._bfa_w = _gathered_rows(module, names, binding)
             if hasattr(module, "_qkvgbfa_sizes"):
                 module._qkvgbfa_sizes = None  # ROCm's whole in-projection buffer: its unmerged path instead
             changed.append(name)
         front = [getattr(module, m, None) for m in ("shared_experts", "gate", "routed_expert_down_proj")]
-        weights = [w for m in front if m is not None for w in m.parameters()]
-        if getattr(module, "_front_w", None) is not None and any(id(w) in ids for w in weights):
+        weights = [w for m in front if isinstance(m, nn.Module) for w in m.parameters()]
+        if getattr(module, "_front_w", None) is not None and any(id(w) in names for w in weights):
             module._front_w = module._front_sizes = None
             for cached in ("_eligible_for_fused_front", "_front_fp32", "_routing_contract_ok", "_ep_front_eligible"):
                 module.__dict__.pop(cached, None)  # SGLang's cached properties read _front_w
@@ -258,25 +259,28 @@ def relink_merged_weights(model: nn.Module, bound: Mapping[str, nn.Parameter], m
     return changed
 
 
-def _gathered_rows(module: nn.Module, names: Mapping[int, str], manifest: Any) -> torch.Tensor | None:
-    """`module._bfa_w` as a view of the gathered layer: f_a's rows, b's right after them, and zero rows up to the
-    merged buffer's, where the manifest puts them so; None otherwise (SGLang then reads f_a_proj and b_proj)."""
+def _gathered_rows(module: nn.Module, names: Mapping[int, str], binding: Binding) -> torch.Tensor | None:
+    """`module._bfa_w` as rows of a gathered fused view: f_a's, b's right after them, and the view's zero pad rows
+    up to the merged buffer's rows; None where the manifest has no such view (SGLang then reads f_a_proj and
+    b_proj)."""
     merged: torch.Tensor = module._bfa_w
     f_a, b = module.f_a_proj.weight, module.b_proj.weight  # type: ignore[union-attr]
     if id(f_a) not in names or id(b) not in names or merged.dtype != f_a.dtype or merged.shape[1:] != f_a.shape[1:]:
         return None
-    record = next((r for r in manifest.layers if any(e.name == names[id(f_a)] for e in r.entries)), None)
-    entries = {e.name: e for e in record.entries} if record is not None else {}
-    first, second = entries.get(names[id(f_a)]), entries.get(names[id(b)])
-    if first is None or second is None or second.offset != first.offset + first.nbytes:
+    first, second = names[id(f_a)], names[id(b)]
+    record = next((r for r in binding.shards.manifest.layers if any(e.name == first for e in r.entries)), None)
+    if record is None:
         return None
-    end = first.offset + merged.numel() * merged.element_size()  # the merged buffer's bytes, from f_a's first
-    tail = second.offset + second.nbytes
-    if end > record.total_bytes or any(e.offset < end and e.offset + e.nbytes > tail for e in record.entries):
-        return None  # the rows after b are not zero padding of the layer
-    if f_a.data_ptr() + f_a.nbytes != b.data_ptr():
-        return None  # not gathered into one buffer, as the manifest lays them out
-    return torch.as_strided(f_a.data, tuple(merged.shape), tuple(merged.stride()), f_a.storage_offset())
+    rows = {e.name: e.shape[0] for e in record.entries}
+    for view in record.views:
+        members = list(view.members)
+        if members[-2:] != [first, second] or rows[first] + rows[second] + view.pad_rows < merged.shape[0]:
+            continue
+        start = sum(rows[m] for m in members[:-2])
+        rows_of_view = binding.gatherer.views(record.layer)[view.name]
+        relinked = rows_of_view[start:start + merged.shape[0]]
+        return relinked if relinked.data_ptr() == f_a.data_ptr() else None
+    return None
 
 
 def is_quantized(module: nn.Module) -> bool:

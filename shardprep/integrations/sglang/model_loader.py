@@ -87,7 +87,7 @@ class ShardprepModelLoader(DefaultModelLoader):
             with device:
                 model = self.target.build(lambda: _initialize_model(model_config, self.load_config, quant_config))
             binding = self.target.load(model)
-            relink_merged_weights(model, binding.target_parameters, self.target.manifest)
+            relink_merged_weights(model, binding)
             DefaultModelLoader.postprocess_weights(model, device)
             self.target.check_after_processing()
         return model.eval()
