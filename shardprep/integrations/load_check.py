@@ -102,7 +102,7 @@ def _reporting(module: nn.Module, seen: set[int]) -> Callable[..., Any]:
     def load_weights(*args: Any, **kwargs: Any) -> Any:
         loaded = load(module, *args, **kwargs)
         if isinstance(loaded, (set, frozenset, list, tuple)):  # a collection: reading it consumes nothing
-            params = dict(module.named_parameters())
+            params = dict(module.named_parameters(remove_duplicate=False))
             seen.update(id(params[name]) for name in loaded if name in params)
         return loaded
 
