@@ -61,9 +61,9 @@ def as_bytes(t: torch.Tensor) -> bytes:
 
 
 def held(model: torch.nn.Module) -> dict[str, bytes]:
-    """Every parameter's bytes by name, and each KDA layer's merged [f_a; b] buffer (`<module>._bfa_w`), which its
-    forward reads instead of f_a_proj and b_proj."""
-    state = {name: as_bytes(p) for name, p in model.named_parameters()}
+    """Every parameter's bytes under each of its names (K3 keeps f_b_proj's weight as `_bfa_f_b_w` too), and each
+    KDA layer's merged [f_a; b] buffer (`<module>._bfa_w`), which its forward reads instead of f_a_proj and b_proj."""
+    state = {name: as_bytes(p) for name, p in model.named_parameters(remove_duplicate=False)}
     state |= {f"{name}._bfa_w": as_bytes(m._bfa_w) for name, m in model.named_modules()
               if getattr(m, "_bfa_w", None) is not None}
     return state
@@ -116,9 +116,11 @@ def sharded(model: torch.nn.Module, loader: Any, directory: str, ref: dict[str, 
     from shardprep.integrations.sharded_load import startup_line
 
     binding = loader.binding
-    names = {id(p): name for name, p in model.named_parameters()}
+    # A parameter's module name (the last of its names: K3 lists f_b_proj's weight as `_bfa_f_b_w` first).
+    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     bound = {id(p) for p in binding.target_parameters.values()}
-    merged = {name: m for name, m in model.named_modules() if getattr(m, "_bfa_w", None) is not None}
+    merged = {name: m for name, m in model.named_modules()
+              if getattr(m, "_bfa_w", None) is not None and id(m.f_a_proj.weight) in bound}
     gathered: dict[str, bool] = {}
     merged_equal: dict[str, bool] = {}
     gatherer = binding.gatherer
@@ -140,7 +142,7 @@ def sharded(model: torch.nn.Module, loader: Any, directory: str, ref: dict[str, 
         "merged_equal": merged_equal,
         "merged_over_gathered_bytes": sorted(name for name, m in merged.items()
                                              if m._bfa_w.data_ptr() == m.f_a_proj.weight.data_ptr()),
-        "replicated_differs": sorted(name for name, p in model.named_parameters()
+        "replicated_differs": sorted(name for name, p in model.named_parameters(remove_duplicate=False)
                                      if id(p) not in bound and as_bytes(p) != ref[name]),
         "local_chunk_bytes": sum(binding.shards.chunk(layer).numel() for layer in gatherer.layers),
         "slot_bytes": gatherer.slot_bytes,
