@@ -263,8 +263,9 @@ def _gathered_rows(module: nn.Module, names: Mapping[int, str], binding: Binding
     """`module._bfa_w` as rows of a gathered fused view: f_a's, b's right after them, and the view's zero pad rows
     up to the merged buffer's rows; None where the manifest has no such view (SGLang then reads f_a_proj and
     b_proj)."""
-    merged: torch.Tensor = module._bfa_w
-    f_a, b = module.f_a_proj.weight, module.b_proj.weight  # type: ignore[union-attr]
+    merged: Any = module._bfa_w  # SGLang's attributes, typed by nn.Module as Tensor | Module
+    f_a: Any = module.f_a_proj.weight  # type: ignore[union-attr]
+    b: Any = module.b_proj.weight  # type: ignore[union-attr]
     if id(f_a) not in names or id(b) not in names or merged.dtype != f_a.dtype or merged.shape[1:] != f_a.shape[1:]:
         return None
     first, second = names[id(f_a)], names[id(b)]
