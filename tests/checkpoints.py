@@ -246,10 +246,12 @@ def make_mtp_checkpoint(directory: str | Path, arch: str = "deepseek-v3-mla", *,
     return directory
 
 
-def kimi_k3_values(layers: int = 4, vocab: int = 128, mtp: bool = False) -> dict:
+def kimi_k3_values(layers: int = 4, vocab: int = 128, mtp: bool = False, intermediate_size: int = 96,
+                   moe_intermediate_size: int = 32) -> dict:
     """The tiny Kimi K3's config values: KDA in three layers of four (1-based `kda_layers`, as K3's config counts),
     MLA with q-LoRA, NoPE and the output gate in the fourth (layer 2 here), a dense MLP in layer 0, latent MoE
-    with a shared expert after it, and attention residuals.
+    with a shared expert after it, and attention residuals. The MLP widths may be given: SGLang on the CPU pads
+    them to a multiple of 32·TP (tests/sglang_engines/test_sglang_kimi_k3.py asks for 128 and 64).
 
     The KDA layers' fused rows, 4·64 (q, k, v, g) + 32 (f_a) + 2 (b) = 290, are not a multiple of 16, so vLLM's
     in_proj_qkvgfab has 14 zero pad rows. MLA has the 576-wide latent head (MLA_DIMS) that vLLM's CPU MLA needs.
@@ -257,11 +259,13 @@ def kimi_k3_values(layers: int = 4, vocab: int = 128, mtp: bool = False) -> dict
     `mtp`: one MTP layer after the decoder layers (`num_nextn_predict_layers: 1`, make_kimi_k3_checkpoint).
     """
     mtp_layers = {"num_nextn_predict_layers": 1} if mtp else {}
-    return dict(**mtp_layers, vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+    return dict(**mtp_layers, vocab_size=vocab, hidden_size=64, intermediate_size=intermediate_size,
+                num_hidden_layers=layers,
                 num_attention_heads=2, num_key_value_heads=2, hidden_act="silu", rms_norm_eps=1e-5,
                 q_lora_rank=64, kv_lora_rank=MLA_DIMS["kv_lora_rank"], qk_rope_head_dim=MLA_DIMS["qk_rope_head_dim"],
                 qk_nope_head_dim=32, v_head_dim=32, mla_use_nope=True, mla_use_output_gate=True,
-                num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=1,
+                num_experts=4, num_experts_per_token=2, moe_intermediate_size=moe_intermediate_size,
+                num_shared_experts=1,
                 first_k_dense_replace=1, moe_layer_freq=1, routed_expert_hidden_size=32, latent_moe_use_norm=True,
                 use_grouped_topk=True, num_expert_group=1, topk_group=1, moe_router_activation_func="sigmoid",
                 attn_res_block_size=2, max_position_embeddings=256, tie_word_embeddings=False,
@@ -272,10 +276,12 @@ def kimi_k3_values(layers: int = 4, vocab: int = 128, mtp: bool = False) -> dict
                                     "use_full_rank_gate": True})
 
 
-def kimi_k3_tensors(c: dict, prefix: str = "model.") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def kimi_k3_tensors(c: dict, prefix: str = "model.", moe: str = "block_sparse_moe."
+                    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor of a Kimi K3 checkpoint with config values `c`: name -> (shape, dtype), under the checkpoint
     names vLLM 0.32's KimiLinearModel.load_weights maps (q/k/v/g/f_a/b_proj into in_proj_qkvgfab, q_a/kv_a/g_proj
-    into fused_qkv_a_g_proj, experts.{e}.w1/w3/w2 into the fused experts, {q,k,v}_conv1d into conv1d).
+    into fused_qkv_a_g_proj, experts.{e}.w1/w3/w2 into the fused experts, {q,k,v}_conv1d into conv1d). `moe`: the
+    MoE layers' module name, `mlp.` for SGLang 0.5.23's text class (KimiK3LinearForCausalLM, which has no mapper).
 
     With `num_nextn_predict_layers` (k), the k MTP layers follow the decoder layers as vLLM 0.32's KimiK3MTP loads
     them: layer L = `num_hidden_layers` is a whole decoder layer by the same rules (MLA, since K3's `kda_layers`
@@ -318,7 +324,7 @@ def kimi_k3_tensors(c: dict, prefix: str = "model.") -> dict[str, tuple[tuple[in
             out[f"{a}kv_b_proj.weight"] = ((n_heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), kv_rank), bf16)
             out[f"{a}o_proj.weight"] = ((h, n_heads * c["v_head_dim"]), bf16)
         if k >= c["first_k_dense_replace"]:
-            m, experts, inter = f"{p}block_sparse_moe.", c["num_experts"], c["moe_intermediate_size"]
+            m, experts, inter = f"{p}{moe}", c["num_experts"], c["moe_intermediate_size"]
             latent, shared = c["routed_expert_hidden_size"], c["moe_intermediate_size"] * c["num_shared_experts"]
             out[f"{m}gate.weight"] = ((experts, h), bf16)
             out[f"{m}gate.e_score_correction_bias"] = ((experts,), f32)
@@ -343,8 +349,13 @@ def kimi_k3_tensors(c: dict, prefix: str = "model.") -> dict[str, tuple[tuple[in
 
 def make_kimi_k3_checkpoint(directory: str | Path, *, layers: int = 4, vocab: int = 128,
                             dtype: torch.dtype = torch.bfloat16, seed: int = 0, tokenizer: bool = True,
-                            mtp: bool = False) -> Path:
+                            mtp: bool = False, sglang_text: bool = False, intermediate_size: int = 96,
+                            moe_intermediate_size: int = 32) -> Path:
     """A tiny random Kimi K3 text model (`KimiLinearForCausalLM`, kimi_k3_values) in one safetensors file.
+
+    `sglang_text`: K3's text model as SGLang 0.5.23 loads one (models/kimi_k3.py): `KimiK3LinearForCausalLM`, its
+    MoE layers named `mlp.` (the class loads names as they are; only the multimodal class maps `block_sparse_moe`),
+    config.json written by SGLang's own `KimiLinearConfig` where SGLang is installed.
 
     `mtp` (`kimi-k3-mtp`): with one Multi-Token-Prediction layer, laid out as vLLM 0.32 reads Kimi K3's
     (vllm/models/kimi_k3/nvidia/mtp.py, KimiK3MTP, and vllm/config/speculative.py): the config says
@@ -367,19 +378,22 @@ def make_kimi_k3_checkpoint(directory: str | Path, *, layers: int = 4, vocab: in
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    values = kimi_k3_values(layers, vocab, mtp)
+    values = kimi_k3_values(layers, vocab, mtp, intermediate_size, moe_intermediate_size)
+    architecture = "KimiK3LinearForCausalLM" if sglang_text else "KimiLinearForCausalLM"
     try:
-        from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+        if sglang_text:
+            from sglang.srt.configs.kimi_linear import KimiLinearConfig
+        else:
+            from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
     except ImportError:
-        config = {**values, "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
-                  "torch_dtype": "bfloat16"}
+        config = {**values, "model_type": "kimi_linear", "architectures": [architecture], "torch_dtype": "bfloat16"}
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     else:
-        KimiLinearConfig(**values, architectures=["KimiLinearForCausalLM"], torch_dtype="bfloat16").save_pretrained(
-            directory)
+        KimiLinearConfig(**values, architectures=[architecture], torch_dtype="bfloat16").save_pretrained(directory)
     generator = torch.Generator().manual_seed(seed)
     tensors = {name: (kimi_k3_scale(name, torch.randn(shape, generator=generator))).to(
-        torch.float32 if kind == torch.float32 else dtype) for name, (shape, kind) in kimi_k3_tensors(values).items()}
+        torch.float32 if kind == torch.float32 else dtype)
+        for name, (shape, kind) in kimi_k3_tensors(values, moe="mlp." if sglang_text else "block_sparse_moe.").items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer:
         save_tiny_tokenizer(directory, vocab)

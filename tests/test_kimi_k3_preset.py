@@ -1,8 +1,10 @@
 """The `kimi-k3` preset on the tiny Kimi K3 checkpoint (tests/checkpoints.py: KDA in layers 0, 1, 3, MLA with
 q-LoRA and the output gate in layer 2, latent MoE after the dense layer 0): the fused views are vLLM's parameters,
-byte for byte (in_proj_qkvgfab with its 14 zero pad rows), kv_b_proj stays replicated, the pad rows are checked,
-and inspect splits each layer by kind. That the views bind to vLLM's own parameters is shown by
-tests/vllm_engines/test_vllm_kimi_k3.py; here, that the layout is the one they need."""
+byte for byte (in_proj_qkvgfab with its 14 zero pad rows), and SGLang's lie inside them over the same bytes
+(fused_qkvg_proj in in_proj_qkvgfab, fused_qkv_a_proj in fused_qkv_a_g_proj), kv_b_proj stays replicated, the pad
+rows are checked, and inspect splits each layer by kind. That the views bind to the servers' own parameters is
+shown by tests/vllm_engines/test_vllm_kimi_k3.py and tests/sglang_engines/test_sglang_kimi_k3.py; here, that the
+layout is the one they need."""
 
 import json
 
@@ -46,21 +48,28 @@ def test_kimi_k3_preset_packs_vllms_fused_parameters_with_in_proj_pad_rows_and_l
         p = f"model.layers.{r.layer}."
         views = {short(v.name): ([short(m) for m in v.members], v.pad_rows) for v in r.views}
         entries = {short(e.name) for e in r.entries}
+        offsets = {short(v.name): v.offset for v in r.views}
         if r.layer == 2:
             assert views == {"self_attn.fused_qkv_a_g_proj.weight": (MLA_MEMBERS, 0),
+                             "self_attn.fused_qkv_a_proj.weight": (MLA_MEMBERS[:2], 0),  # SGLang's, inside vLLM's
                              "block_sparse_moe.shared_experts.gate_up_proj.weight": (GATE_UP, 0)}
+            assert offsets["self_attn.fused_qkv_a_proj.weight"] == offsets["self_attn.fused_qkv_a_g_proj.weight"]
             assert entries == {*MLA_MEMBERS, "self_attn.q_b_proj.weight", "self_attn.o_proj.weight", *PERIPHERY}
             fused = rebuilt[p + "self_attn.fused_qkv_a_g_proj.weight"]
             assert torch.equal(fused, torch.cat([original[p + m] for m in MLA_MEMBERS]))
+            assert torch.equal(rebuilt[p + "self_attn.fused_qkv_a_proj.weight"], fused[:64 + 576])
         else:
             # 4·64 + 32 + 2 = 290 rows, up to 304: vLLM's in_proj_qkvgfab at TP=1
             assert views == {"self_attn.in_proj_qkvgfab.weight": (KDA_MEMBERS, 14),
+                             "self_attn.fused_qkvg_proj.weight": (KDA_MEMBERS[:4], 0),  # SGLang's, inside vLLM's
                              "block_sparse_moe.shared_experts.gate_up_proj.weight": (GATE_UP, 0)}
+            assert offsets["self_attn.fused_qkvg_proj.weight"] == offsets["self_attn.in_proj_qkvgfab.weight"]
             assert entries == {*KDA_MEMBERS, "self_attn.f_b_proj.weight", "self_attn.o_proj.weight", *PERIPHERY}
             fused = rebuilt[p + "self_attn.in_proj_qkvgfab.weight"]
             assert fused.shape == (304, 64)
             assert torch.equal(fused, torch.cat([*(original[p + m] for m in KDA_MEMBERS),
                                                  torch.zeros(14, 64, dtype=torch.bfloat16)]))
+            assert torch.equal(rebuilt[p + "self_attn.fused_qkvg_proj.weight"], fused[:4 * 64])
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert index["model.layers.2.self_attn.kv_b_proj.weight"] == "model-00001-of-00001.safetensors"
     assert validate(out, source=src).ok
@@ -75,6 +84,17 @@ def test_the_k3_wrappers_names_select_the_same_targets_and_views():
             k: [n.removeprefix("model.") for n in v] for k, v in text.layers.items()}
         assert {k: [(g.name.removeprefix(prefix), g.row_multiple) for g in v] for k, v in wrapped.groups.items()} == {
             k: [(g.name.removeprefix("model."), g.row_multiple) for g in v] for k, v in text.groups.items()}
+
+
+def test_sglangs_text_names_select_the_same_targets_and_views_under_mlp():
+    # SGLang's text class (KimiK3LinearForCausalLM) has no name mapper: its checkpoint names the MoE `mlp.`.
+    values = kimi_k3_values(4)
+    text = select_targets(kimi_k3_tensors(values), Selection(preset=load_preset("kimi-k3")))
+    sglang = select_targets(kimi_k3_tensors(values, moe="mlp."), Selection(preset=load_preset("kimi-k3")))
+    assert {k: [n.replace(".mlp.", ".block_sparse_moe.") for n in v] for k, v in sglang.layers.items()} == text.layers
+    assert {k: [(g.name.replace(".mlp.", ".block_sparse_moe."), g.row_multiple) for g in v]
+            for k, v in sglang.groups.items()} == {k: [(g.name, g.row_multiple) for g in v]
+                                                   for k, v in text.groups.items()}
 
 
 def test_without_the_output_gate_mla_fuses_q_a_and_kv_a_as_fused_qkv_a_proj():

@@ -115,3 +115,31 @@ def test_pad_rows_after_a_last_member_without_rows_take_the_members_row_size():
     lay = plan_layer(0, tensors, 1, groups=[FusedGroup("l.0.ab", ("l.0.a", "l.0.b"), row_multiple=4)])
     assert (lay.views[0].shape, lay.views[0].pad_rows, lay.views[0].nbytes) == ((4, 8), 1, 64)
     assert {e.name: e.offset for e in lay.entries}["l.0.c"] == 64
+
+
+def test_a_view_inside_a_wider_one_places_nothing_and_names_a_run_of_its_bytes():
+    # vLLM's K3 in_proj_qkvgfab (q, k, v, g, f_a, b, padded) and SGLang's fused_qkvg_proj (q, k, v, g) in miniature.
+    tensors = specs(("l.0.q", "BF16", (4, 8)), ("l.0.k", "BF16", (4, 8)), ("l.0.f", "BF16", (1, 8)),
+                    ("l.0.b", "BF16", (1, 8)), ("l.0.z", "BF16", (1, 8)))
+    wide = FusedGroup("l.0.qkfb", ("l.0.q", "l.0.k", "l.0.f", "l.0.b"), row_multiple=4)
+    alone = plan_layer(0, tensors, 2, groups=[wide])
+    lay = plan_layer(0, tensors, 2, groups=[wide, FusedGroup("l.0.qk", ("l.0.q", "l.0.k")),
+                                             FusedGroup("l.0.fb", ("l.0.f", "l.0.b"))])
+    assert lay.entries == alone.entries and lay.total_bytes == alone.total_bytes  # the same bytes, in the same places
+    views = {v.name: v for v in lay.views}
+    assert (views["l.0.qkfb"].shape, views["l.0.qkfb"].pad_rows) == ((12, 8), 2)
+    at = {e.name: e.offset for e in lay.entries}
+    assert (views["l.0.qk"].offset, views["l.0.qk"].shape, views["l.0.qk"].pad_rows) == (at["l.0.q"], (8, 8), 0)
+    assert (views["l.0.fb"].offset, views["l.0.fb"].shape) == (at["l.0.f"], (2, 8))
+    assert at["l.0.z"] >= views["l.0.qkfb"].offset + views["l.0.qkfb"].nbytes  # the wide view's pad rows stay
+
+
+def test_a_view_that_overlaps_another_without_lying_inside_it_is_refused():
+    tensors = specs(("l.0.q", "BF16", (4, 8)), ("l.0.k", "BF16", (4, 8)), ("l.0.v", "BF16", (4, 8)))
+    wide = FusedGroup("l.0.qkv", ("l.0.q", "l.0.k", "l.0.v"))
+    with pytest.raises(LayoutError, match="'l.0.q' belongs to two fused views"):
+        plan_layer(0, tensors, 2, groups=[wide, FusedGroup("l.0.qv", ("l.0.q", "l.0.v"))])  # not a run
+    with pytest.raises(LayoutError, match="'l.0.q' belongs to two fused views"):
+        plan_layer(0, tensors, 2, groups=[FusedGroup("l.0.qk", ("l.0.q", "l.0.k")), wide])  # inside a later one
+    with pytest.raises(LayoutError, match="lies inside 'l.0.qkv', so it cannot have pad rows"):
+        plan_layer(0, tensors, 2, groups=[wide, FusedGroup("l.0.qk", ("l.0.q", "l.0.k"), row_multiple=16)])

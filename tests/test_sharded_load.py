@@ -202,6 +202,53 @@ def test_a_target_is_handed_to_its_draft_under_a_deployment_object_even_one_with
     assert weak_id not in drafts._targets and target_for(strong) is other
 
 
+class TextModel(nn.Module):
+    """A language model that copies one weight in place (no weight loader) and reports what it loaded."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(2, 2, bias=False), nn.LayerNorm(2, elementwise_affine=False)
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, tensor in weights:
+            self.proj.weight.data.copy_(tensor)  # as SGLang's Kimi K3 fills fused_qkv_a_proj_with_mqa
+            loaded.add(name)
+        return loaded
+
+
+class Wrapper(nn.Module):
+    """A multimodal wrapper that hands its language model the weights and drops its answer."""
+
+    def __init__(self):
+        super().__init__()
+        self.language_model, self.vision = TextModel(), nn.Linear(2, 2, bias=False)
+
+    def load_weights(self, weights):
+        self.vision.weight.weight_loader(self.vision.weight, torch.zeros(2, 2))
+        self.language_model.load_weights((name.removeprefix("language_model."), t) for name, t in weights)
+
+
+def test_what_an_inner_model_reports_loading_counts_when_its_wrapper_reports_nothing():
+    model = Wrapper()
+    with tracked_loading(model, lambda p, t: p.data.copy_(t)) as seen:
+        loaded = model.load_weights([("language_model.proj.weight", torch.ones(2, 2))])
+    check_all_loaded(model, loaded, "out/", seen=seen)
+    assert "load_weights" not in model.language_model.__dict__  # put back as it was
+    with tracked_loading(model, lambda p, t: p.data.copy_(t)) as seen:
+        loaded = model.load_weights([])  # the language model loaded nothing
+    with pytest.raises(ShardprepError, match="'language_model.proj.weight'"):
+        check_all_loaded(model, loaded, "out/", seen=seen)
+    text = TextModel()
+    text.alias = text.proj.weight  # one parameter, two names: loaded under either
+    check_all_loaded(text, {"proj.weight", "norm.weight"}, "out/")
+    with pytest.raises(ShardprepError, match="'alias'"):  # the name torch lists it by: the module's own first
+        check_all_loaded(text, {"norm.weight"}, "out/")
+    with tracked_loading(text, lambda p, t: p.data.copy_(t)) as seen:
+        text.load_weights([("proj.weight", torch.ones(2, 2))])  # the caller drops the answer (SGLang's loader does)
+    check_all_loaded(text, None, "out/", seen=seen)
+
+
 def test_options_default_to_verified_full_mode_and_refuse_unknown_keys():
     assert ShardprepLoadOptions.from_extra_config({}) == ShardprepLoadOptions(verify=True, shard_weights=False)
     assert ShardprepLoadOptions.from_extra_config({"verify": False}).verify is False

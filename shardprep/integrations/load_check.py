@@ -7,7 +7,11 @@ once ran on uninitialized weights this way, every proposal token 0, with no erro
 and SGLang load a parameter by calling its `weight_loader` attribute, or their `default_weight_loader` when it has
 none; `tracked_loading` wraps both for the duration of the load and records which parameters were passed to one.
 A model that reports a set is checked against that set, as the servers' own loaders check it; one that reports
-None is checked against what was seen.
+None is checked against what was seen, and against what it, or any model inside it, reported when the caller
+dropped the answer: a server's loader may drop it (SGLang's `load_weights_only`), and a multimodal wrapper may pass
+its language model's weights to that model's own `load_weights` and drop what it reports (SGLang's
+KimiK3ForConditionalGeneration returns None), which names weights copied in place, through no weight loader
+(SGLang's Kimi K3 fills `fused_qkv_a_proj_with_mqa` so).
 """
 
 from __future__ import annotations
@@ -74,9 +78,16 @@ def tracked_loading(model: nn.Module, default_loader: Callable[..., Any] | None)
         original = getattr(held, "weight_loader", missing)
         held.weight_loader = _Tracked(default_loader if original is missing or original is None else original, seen)
         restore.append((held, original))
+    # The model's own load_weights too: a server's loader may drop its answer (SGLang's DefaultModelLoader does).
+    inner = [module for module in model.modules() if "load_weights" not in module.__dict__
+             and callable(getattr(type(module), "load_weights", None))]
+    for module in inner:
+        module.__dict__["load_weights"] = _reporting(module, seen)
     try:
         yield seen
     finally:
+        for module in inner:
+            del module.__dict__["load_weights"]
         for param, original in restore:
             if original is missing:
                 del param.weight_loader
@@ -84,22 +95,41 @@ def tracked_loading(model: nn.Module, default_loader: Callable[..., Any] | None)
                 param.weight_loader = original
 
 
+def _reporting(module: nn.Module, seen: set[int]) -> Callable[..., Any]:
+    """`module.load_weights`, which also marks as seen the parameters it reports loading (names inside `module`)."""
+    load = type(module).load_weights  # type: ignore[attr-defined]
+
+    def load_weights(*args: Any, **kwargs: Any) -> Any:
+        loaded = load(module, *args, **kwargs)
+        if isinstance(loaded, (set, frozenset, list, tuple)):  # a collection: reading it consumes nothing
+            params = dict(module.named_parameters(remove_duplicate=False))
+            seen.update(id(params[name]) for name in loaded if name in params)
+        return loaded
+
+    return load_weights
+
+
 def check_all_loaded(model: nn.Module, loaded: Iterable[str] | None, directory: str | Path,
                      also: Collection[str] = (), seen: set[int] | None = None) -> None:
     """Refuse a model with a parameter that was not loaded and is not in `also` (bound to a gather, or defaulted).
 
     `loaded`: what `load_weights` reported; when it reported None, `seen` (from `tracked_loading`) says what was
-    loaded instead. Only a model that reports None and whose load could not be watched passes unchecked.
+    loaded instead. Only a model that reports None and whose load could not be watched passes unchecked. A parameter
+    the model holds under two names (SGLang's Kimi K3 keeps f_b_proj's weight as `_bfa_f_b_w` too) is loaded, or in
+    `also`, under either.
 
     >>> check_all_loaded(model, model.load_weights(weights), "out/")  # doctest: +SKIP
     """
+    every_name = list(model.named_parameters(remove_duplicate=False))
     if loaded is not None:
-        done = set(loaded)
+        names = set(loaded)
+        done = {id(p) for name, p in every_name if name in names}
     elif seen is not None:
-        done = {name for name, p in model.named_parameters() if id(p) in seen}
+        done = set(seen)
     else:
         return
-    missing = sorted({name for name, _ in model.named_parameters()} - done - set(also))
+    done |= {id(p) for name, p in every_name if name in set(also)}
+    missing = sorted(name for name, p in model.named_parameters() if id(p) not in done)
     if missing:
         more = f" (and {len(missing) - 1} more)" if missing[1:] else ""
         how = "" if loaded is not None else " (its load_weights reports nothing: no weight loader was called for it)"

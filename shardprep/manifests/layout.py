@@ -131,8 +131,10 @@ def plan_layer(
 
     Tensors are ordered by name; a fused group takes the place of its first-sorted member and keeps
     its declared member order, with no gap between members, followed by its zero pad rows (if its
-    `row_multiple` asks for any), which the next entry does not overlap. C is the smallest multiple of
-    `chunk_alignment` with N·C covering the entries and pad rows.
+    `row_multiple` asks for any), which the next entry does not overlap. A group whose members are a run
+    of an earlier group's members (`is_run_of`) places nothing: its view names those bytes too, for a
+    server that fuses fewer of them (SGLang's Kimi K3 fuses q, k, v, g where vLLM fuses q, k, v, g, f_a, b).
+    C is the smallest multiple of `chunk_alignment` with N·C covering the entries and pad rows.
 
     >>> t = [TensorSpec("l.0.b", "BF16", (3, 5)), TensorSpec("l.0.a", "F32", (2,))]
     >>> lay = plan_layer(0, t, world_size=2)
@@ -150,14 +152,24 @@ def plan_layer(
         raise LayoutError(f"layer {layer} lists a tensor twice")
 
     group_of: dict[str, FusedGroup] = {}
+    placing: list[FusedGroup] = []  # the groups that place their members; the others lie inside one of them
     for g in groups:
         for m in g.members:
             if m not in by_name:
                 raise LayoutError(f"fused view {g.name!r}: member {m!r} is not a target of layer {layer}")
-            if m in group_of:
-                raise LayoutError(f"tensor {m!r} belongs to two fused views ({group_of[m].name!r}, {g.name!r})")
-            group_of[m] = g
         _check_fusable(g, [by_name[m] for m in g.members], entry_alignment)
+        host = next((h for h in placing if is_run_of(g.members, h.members)), None)
+        if host is not None:
+            if g.row_multiple != 1:
+                raise LayoutError(f"fused view {g.name!r} lies inside {host.name!r}, so it cannot have pad rows of "
+                                  "its own")
+            continue  # the wider view placed these members back to back; this one names a run of them
+        for m in g.members:
+            if m in group_of:
+                raise LayoutError(f"tensor {m!r} belongs to two fused views ({group_of[m].name!r}, {g.name!r}); a "
+                                  "view may lie inside an earlier one only if its members are a run of that one's")
+            group_of[m] = g
+        placing.append(g)
 
     order: list[str] = []
     placed_groups: set[str] = set()
@@ -169,7 +181,7 @@ def plan_layer(
             placed_groups.add(group.name)
             order.extend(group.members)
 
-    pad_after = {g.members[-1]: _pad_rows(g, by_name) * _row_bytes(by_name[g.members[-1]]) for g in groups}
+    pad_after = {g.members[-1]: _pad_rows(g, by_name) * _row_bytes(by_name[g.members[-1]]) for g in placing}
     entries: list[Entry] = []
     offset = 0
     for name in order:
@@ -189,6 +201,16 @@ def plan_layer(
 
     chunk = align_up(-(-max(offset, 1) // world_size), chunk_alignment)
     return LayerLayout(layer, tuple(entries), tuple(views), chunk * world_size, chunk)
+
+
+def is_run_of(inner: Sequence[str], outer: Sequence[str]) -> bool:
+    """Whether `inner` is a contiguous run of `outer`, in order (a fused view that lies inside another).
+
+    >>> [is_run_of(run, ("q", "k", "g")) for run in [("q", "k"), ("k", "g"), ("q", "g")]]
+    [True, True, False]
+    """
+    n = len(inner)
+    return any(tuple(outer[i:i + n]) == tuple(inner) for i in range(len(outer) - n + 1))
 
 
 def _pad_rows(group: FusedGroup, by_name: dict[str, TensorSpec]) -> int:

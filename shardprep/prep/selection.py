@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import IntegrityError, SelectionError
 from ..manifests.draft_layers import DFLASH, DRAFT_ARCHITECTURES, EAGLE3, KIND_NAMES, draft_kind
-from ..manifests.layout import FusedGroup
+from ..manifests.layout import FusedGroup, is_run_of
 from ..manifests.strict_json import is_int, parse_json, read_json_file
 
 # A preset lists globs; a larger file is not a preset.
@@ -614,17 +614,23 @@ def select_targets(names: Iterable[str], selection: Selection) -> TargetPlan:
 def _fused_groups(layer_names: Sequence[str], rules: Sequence[FusedRule]) -> list[FusedGroup]:
     present = set(layer_names)
     taken: set[str] = set()
-    groups = []
+    groups: list[FusedGroup] = []
     for rule in rules:
         first = rule.members[0]
         for name in layer_names:
             if name.endswith("." + first):
                 prefix = name[: -len(first)]
                 members = tuple(prefix + m for m in rule.members)
-                # The first rule that takes a tensor wins: a preset lists a server's variants of one fused
-                # parameter (Kimi K3's fused_qkv_a_g_proj, then fused_qkv_a_proj without the output gate) widest first.
-                if all(m in present for m in members) and taken.isdisjoint(members):
-                    groups.append(FusedGroup(prefix + rule.name, members, rule.row_multiple))
+                if not all(m in present for m in members):
+                    continue
+                # The first rule that takes a tensor places it: a preset lists the widest fused parameter first.
+                # A later rule whose members are a run of a placed group's is a view inside it, for a server that
+                # fuses fewer of them (Kimi K3: SGLang's fused_qkvg_proj inside vLLM's in_proj_qkvgfab, and
+                # fused_qkv_a_proj inside fused_qkv_a_g_proj, which is also MLA's view without the output gate).
+                if taken.isdisjoint(members):
                     taken.update(members)
+                elif rule.row_multiple != 1 or not any(is_run_of(members, g.members) for g in groups):
+                    continue
+                groups.append(FusedGroup(prefix + rule.name, members, rule.row_multiple))
     return groups
 

@@ -12,7 +12,8 @@ batches while the other still decodes.
 
 The test plugins, each documented in its file, are declared here as `sglang.srt.plugins` entry points of a
 directory on PYTHONPATH (SGLang loads them in every one of its processes): gloo_groups.py (parallel groups without
-PyNccl) and torch_native_fill.py (the torch-native backend's `get_cpu_graph_seq_len_fill_value`), and
+PyNccl) and torch_native_fill.py (the torch-native backend's `get_cpu_graph_seq_len_fill_value`), kimi_k3_build.py
+(Kimi K3 built on the CPU) and k3_load_probe.py (K3 loaded every way inside the engine's processes), and
 stand_ins/sgl_kernel.py is put on PYTHONPATH as the module `sgl_kernel`. shardprep's own plugin
 (`--load-format shardprep`) comes from its installed entry point, as for any user.
 
@@ -44,6 +45,8 @@ from pathlib import Path
 
 import fixed_cpu_memory
 import gloo_groups
+import k3_load_probe
+import kimi_k3_build
 import opened_files
 import torch_native_fill
 import torch_native_mla
@@ -66,7 +69,8 @@ BASE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_grap
         "disable_radix_cache": True, "skip_server_warmup": True, "dtype": "bfloat16"}
 PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "torch_native_fill:register",
            opened_files.NAME: "opened_files:register", torch_native_mla.NAME: "torch_native_mla:register",
-           fixed_cpu_memory.NAME: "fixed_cpu_memory:register"}
+           fixed_cpu_memory.NAME: "fixed_cpu_memory:register", kimi_k3_build.NAME: "kimi_k3_build:register",
+           k3_load_probe.NAME: "k3_load_probe:register"}
 
 
 def plugin_environment(workdir: Path, plugins: dict[str, str], env: dict[str, str]) -> dict[str, str]:

@@ -113,7 +113,7 @@ def k3(k3_out):
         "name": "kimi-k3-with-kv-b-proj", "targets": [*preset.targets, "*.layers.*.self_attn.kv_b_proj.weight"],
         "fused": [{"name": r.name, "members": list(r.members), "pad_rows_to": r.row_multiple} for r in preset.fused]}))
     convert(src, root / "with-kv-b-proj", DP, preset=str(with_kv_b))
-    convert(src, root / "deepseek-v3-preset", DP, preset="deepseek-v3")
+    convert(src, root / "deepseek-v3-preset", DP, preset="deepseek-v3", allow_preset_mismatch=True)
     port = free_port()
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH"))
                                                                if p)}
@@ -177,10 +177,12 @@ def test_k3s_mtp_draft_runs_and_sharded_gives_full_modes_tokens_and_what_the_dra
 
 
 def bound_names(records) -> set[str]:
-    """The manifest names `bind` binds of these layer records: each fused view, and each entry no view covers."""
-    members = {m for r in records for v in r.views for m in v.members}
-    return {v.name for r in records for v in r.views} | {e.name for r in records for e in r.entries
-                                                         if e.name not in members}
+    """The manifest names vLLM's `bind` binds of these layer records: each outermost fused view (vLLM's; a view that
+    is a run of another's members is SGLang's, over the same bytes), and each entry no view covers."""
+    outer = [v for r in records for v in r.views
+             if not any(set(v.members) < set(o.members) for o in r.views)]
+    members = {m for v in outer for m in v.members}
+    return {v.name for v in outer} | {e.name for r in records for e in r.entries if e.name not in members}
 
 
 def target_totals(directory: Path) -> dict[str, int]:

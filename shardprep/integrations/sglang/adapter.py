@@ -11,9 +11,11 @@
   IDLE batches through every layer).
 - Building the model: a linear layer creates its weight in its method's `create_weights` while the model's
   constructor runs; `targets_without_storage` makes the targets' weights there without storage.
-- SGLang's parameter names where they differ from the manifest's (`model_name`), which targets SGLang splits
+- SGLang's parameter names where they differ from the manifest's (`model_name`: a fused parameter's name, and
+  the model class's own `hf_to_sglang_mapper`, as its `load_weights` applies it), which targets SGLang splits
   over its TP ranks instead of replicating them (`split_targets`), and which MLP sizes it pads on the CPU
   (`padded_sizes`).
+- Kimi K3's buffers that SGLang merges from bound weights while loading (`relink_merged_weights`).
 - The CPU linear layers: with AMX, SGLang repacks an unquantized weight after loading (`_amx_process_weight_
   after_loading`) for its own kernel; a layer whose weight is swapped in per forward must keep the plain path
   (`keep_plain`).
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from ...errors import ShardprepError
+from ...runtime.binding import Binding
 from ...runtime.views import placeholder
 from ..server import Built, OptionSpelling, ServerAdapter, WorkerLayout
 
@@ -133,25 +136,51 @@ def keep_plain_linear(module: nn.Module) -> None:
 
 MODEL_NAMES = {"self_attn.fused_qkv_a_proj.weight": "self_attn.fused_qkv_a_proj_with_mqa.weight"}
 """A manifest's fused view (the preset's name, vLLM's) → SGLang's parameter, where the two differ: SGLang's
-DeepseekV2 fuses q_a_proj and kv_a_proj_with_mqa, in that order, into `fused_qkv_a_proj_with_mqa`."""
+DeepseekV2 (and Kimi K3's MLA, a subclass) fuses q_a_proj and kv_a_proj_with_mqa, in that order, into
+`fused_qkv_a_proj_with_mqa`."""
 
 
-def model_name(name: str) -> str:
-    """SGLang's name for a manifest tensor name (bind's `model_name`).
+def model_name(name: str, mapper: Any = None) -> str:
+    """SGLang's name for a manifest tensor name (bind's `model_name`): the model class's `hf_to_sglang_mapper`
+    (where it has one; Kimi K3's maps `language_model.layers.` and `block_sparse_moe`), then MODEL_NAMES.
 
     >>> model_name("model.layers.1.self_attn.fused_qkv_a_proj.weight")
     'model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight'
     """
-    return _renamed(name, MODEL_NAMES.items())
+    mapped = mapper.apply_list([name]) if mapper is not None else [name]
+    return _renamed(mapped[0] if mapped else name, MODEL_NAMES.items())
 
 
-def manifest_name(name: str) -> str:
-    """The manifest's name for an SGLang parameter name (`model_name`'s inverse).
+def manifest_name(name: str, mapper: Any = None) -> str:
+    """The manifest's name for an SGLang parameter name (`model_name`'s inverse), as far as a name tells it: a
+    mapper's renamed substring is renamed back wherever it appears (Kimi K3's `mlp` → `block_sparse_moe`, so K3's
+    dense layer-0 MLP reads as `block_sparse_moe` here: a preset that shards it would have it built with storage,
+    then bound all the same).
 
     >>> manifest_name("model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight")
     'model.layers.1.self_attn.fused_qkv_a_proj.weight'
     """
-    return _renamed(name, ((sglangs, ours) for ours, sglangs in MODEL_NAMES.items()))
+    name = _renamed(name, ((sglangs, ours) for ours, sglangs in MODEL_NAMES.items()))
+    if mapper is None:
+        return name
+    for ours, sglangs in mapper.orig_to_new_prefix.items():
+        if sglangs is not None and name.startswith(sglangs):
+            name = ours + name[len(sglangs):]
+            break
+    for ours, sglangs in mapper.orig_to_new_substr.items():
+        if sglangs and f".{sglangs}." in f".{name}.":
+            name = f".{name}.".replace(f".{sglangs}.", f".{ours}.", 1)[1:-1]
+            break
+    return name
+
+
+def model_mapper(model_config: Any) -> Any:
+    """The `hf_to_sglang_mapper` of the model class SGLang builds for `model_config` (None: it renames nothing)."""
+    if model_config is None:
+        return None
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    return getattr(get_model_architecture(model_config)[0], "hf_to_sglang_mapper", None)
 
 
 NEXTN_DECODER = "model.decoder."
@@ -227,6 +256,68 @@ def padded_sizes(model_config: Any) -> dict[str, tuple[int, int]]:
     config = model_config.hf_config
     return {name: (getattr(config, f"original_{name}"), getattr(config, name)) for name in PADDED_SIZES
             if hasattr(config, f"original_{name}") and getattr(config, f"original_{name}") != getattr(config, name)}
+
+
+def relink_merged_weights(model: nn.Module, binding: Binding) -> list[str]:
+    """Point what SGLang merged from bound weights while loading at the gathered bytes, or let the layer read the
+    bound weights themselves; the names of the modules changed.
+
+    SGLang 0.5.23's Kimi K3 merges weights after loading (`post_load_weights`, run by its `load_weights`, while
+    sharded mode has bound its targets to placeholders), into buffers of its own that its forward then reads:
+    - a KDA layer's `_bfa_w` = [f_a_proj; b_proj; zero rows to a multiple of 8] (`_merge_bfa_weights`), read by
+      `forward_qkvbfg_fused` in place of the two layers (and, on ROCm, `_qkvgbfa_layer`, the whole in-projection);
+    - on CUDA/ROCm a MoE layer's `_front_w` = [shared gate_up_proj; router gate; routed_expert_down_proj]
+      (`_merge_front_weights`).
+    A bound weight is gathered into its slot before its layer runs, so such a copy would keep the placeholders'
+    bytes. `_bfa_w` becomes the same rows of the gathered layer where a fused view of the manifest holds them so,
+    f_a then b last, with as many pad rows after them (the kimi-k3 preset's in_proj_qkvgfab: its pad rows are
+    zero bytes of the layer); otherwise, and for `_front_w` (its router gate is not a target), the merged buffer
+    is dropped and SGLang's unmerged path runs, reading the bound weights (one GEMM more per layer).
+
+    >>> relink_merged_weights(model, binding)  # doctest: +SKIP
+    """
+    names = {id(p): name for name, p in binding.target_parameters.items()}
+    changed = []
+    for name, module in model.named_modules():
+        merged = [m for m in (getattr(module, "f_a_proj", None), getattr(module, "b_proj", None)) if m is not None]
+        if getattr(module, "_bfa_w", None) is not None and any(id(m.weight) in names for m in merged):
+            module._bfa_w = _gathered_rows(module, names, binding)
+            if hasattr(module, "_qkvgbfa_sizes"):
+                module._qkvgbfa_sizes = None  # ROCm's whole in-projection buffer: its unmerged path instead
+            changed.append(name)
+        front = [getattr(module, m, None) for m in ("shared_experts", "gate", "routed_expert_down_proj")]
+        weights = [w for m in front if isinstance(m, nn.Module) for w in m.parameters()]
+        if getattr(module, "_front_w", None) is not None and any(id(w) in names for w in weights):
+            module._front_w = module._front_sizes = None
+            for cached in ("_eligible_for_fused_front", "_front_fp32", "_routing_contract_ok", "_ep_front_eligible"):
+                module.__dict__.pop(cached, None)  # SGLang's cached properties read _front_w
+            changed.append(name)
+    return changed
+
+
+def _gathered_rows(module: nn.Module, names: Mapping[int, str], binding: Binding) -> torch.Tensor | None:
+    """`module._bfa_w` as rows of a gathered fused view: f_a's, b's right after them, and the view's zero pad rows
+    up to the merged buffer's rows; None where the manifest has no such view (SGLang then reads f_a_proj and
+    b_proj)."""
+    merged: Any = module._bfa_w  # SGLang's attributes, typed by nn.Module as Tensor | Module
+    f_a: Any = module.f_a_proj.weight  # type: ignore[union-attr]
+    b: Any = module.b_proj.weight  # type: ignore[union-attr]
+    if id(f_a) not in names or id(b) not in names or merged.dtype != f_a.dtype or merged.shape[1:] != f_a.shape[1:]:
+        return None
+    first, second = names[id(f_a)], names[id(b)]
+    record = next((r for r in binding.shards.manifest.layers if any(e.name == first for e in r.entries)), None)
+    if record is None:
+        return None
+    rows = {e.name: e.shape[0] for e in record.entries}
+    for view in record.views:
+        members = list(view.members)
+        if members[-2:] != [first, second] or rows[first] + rows[second] + view.pad_rows < merged.shape[0]:
+            continue
+        start = sum(rows[m] for m in members[:-2])
+        rows_of_view = binding.gatherer.views(record.layer)[view.name]
+        relinked = rows_of_view[start:start + merged.shape[0]]
+        return relinked if relinked.data_ptr() == f_a.data_ptr() else None
+    return None
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -398,6 +489,13 @@ def targets_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[t
         DFlashDecoderLayer.__init__ = original_dflash_init
 
 
+def is_kimi_k3(model_config: Any) -> bool:
+    """Whether SGLang builds Kimi K3 (models/kimi_k3.py) for `model_config`."""
+    from sglang.srt.configs.model_config import is_kimi_k3 as sglangs
+
+    return model_config is not None and sglangs(model_config.hf_config)
+
+
 class SglangAdapter(ServerAdapter):
     """SGLang 0.5.23 as shardprep's sharded mode sees it, for the model `model_config` describes on `device`.
 
@@ -409,6 +507,7 @@ class SglangAdapter(ServerAdapter):
 
     def __init__(self, model_config: Any, device: torch.device):
         self.model_config, self.device = model_config, device
+        self.mapper = model_mapper(model_config)
 
     def layout(self) -> WorkerLayout:
         return current_layout(self.device)
@@ -423,11 +522,12 @@ class SglangAdapter(ServerAdapter):
         return logger()
 
     def model_name(self, model: nn.Module) -> Callable[[str], str] | None:
-        return model_name
+        mapper = getattr(type(model), "hf_to_sglang_mapper", None)
+        return lambda name: model_name(name, mapper)
 
     def manifest_name(self, name: str) -> str:
         layer = nextn_layer(self.model_config)
-        return manifest_name(name if layer is None else nextn_manifest_name(name, layer))
+        return manifest_name(name if layer is None else nextn_manifest_name(name, layer), self.mapper)
 
     def is_quantized(self, module: nn.Module) -> bool:
         return is_quantized(module)
@@ -493,8 +593,10 @@ class SglangAdapter(ServerAdapter):
         split = split_targets(model, targets.__contains__)
         if split:
             name, ranks = split[0]
-            advice = ("set SGLANG_SHARED_EXPERT_TP1=1 (SGLang then replicates the shared experts, as under "
-                      "DeepEP), " if ".shared_experts." in name else "")
+            advice = ("" if ".shared_experts." not in name else
+                      "SGLang replicates Kimi K3's shared experts only under an all-to-all MoE backend "
+                      "(moe_a2a_backend deepep, mooncake, ...), " if is_kimi_k3(self.model_config) else
+                      "set SGLANG_SHARED_EXPERT_TP1=1 (SGLang then replicates the shared experts, as under DeepEP), ")
             raise ShardprepError(f"{directory}: SGLang splits the target {name} over its {ranks} TP ranks, so it is "
                                  f"not replicated under DP attention and cannot be sharded; {advice}convert with a "
                                  "preset that leaves it out, or serve in full mode")

@@ -33,7 +33,7 @@ from ..load_options import ShardprepLoadOptions
 from ..output_weights import output_weights
 from ..sharded_load import ShardedLoad
 from . import adapter as sglang_adapter
-from .adapter import SglangAdapter
+from .adapter import SglangAdapter, relink_merged_weights
 
 
 class ShardprepModelLoader(DefaultModelLoader):
@@ -48,7 +48,9 @@ class ShardprepModelLoader(DefaultModelLoader):
     builds the model, loads and post-processes it in `load_model`, before it sizes its KV pool from the memory
     left; the flow runs there, in that order (sharded_load.py). A target that SGLang splits over TP or pads is
     refused (`SglangAdapter.refuse_unshardable`). SGLang's post-load step then runs on the model as usual:
-    DeepseekV2's `post_load_weights` reads only kv_b_proj, which the deepseek-v3 preset keeps replicated.
+    DeepseekV2's `post_load_weights` reads only kv_b_proj, which the deepseek-v3 preset keeps replicated; Kimi K3's
+    (run inside its `load_weights`) also merges bound weights into buffers of its own, which are pointed at the
+    gathered bytes or dropped once the model is bound (`relink_merged_weights`).
 
     With speculative decoding, the target's load is handed to the draft's under SGLang's ServerArgs, the one object
     both loads see in the scheduler process (`drafts.hand_to_draft`); the draft (a NextN draft of the target's own
@@ -109,7 +111,9 @@ class ShardprepModelLoader(DefaultModelLoader):
         with set_default_torch_dtype(model_config.dtype):
             with device:
                 model = load.build(lambda: _initialize_model(model_config, self.load_config, quant_config))
-            load.load(model)
+            binding = load.load(model)
+            if self.target is not None and binding is not None:
+                relink_merged_weights(model, binding)
             DefaultModelLoader.postprocess_weights(model, device)
             if self.target is not None:
                 self.target.check_after_processing()
