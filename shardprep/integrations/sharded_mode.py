@@ -271,14 +271,15 @@ def _key(directory: str | Path) -> str:
     return str(Path(directory).resolve())
 
 
-def startup_line(binding: Binding, directory: str | Path, processed: ProcessedLayers | None = None) -> str:
+def startup_line(binding: Binding, directory: str | Path, processed: ProcessedLayers | None = None,
+                 server: str = "vLLM") -> str:
     """The one line each rank logs at startup: what it holds against what full weights would take.
 
     DP rank and size, the layers bound, the gather backend, the resident target bytes (its chunks,
     R/N, plus the slots, 2·max|T|) against R, all read from the buffers themselves, and the rank's
     shard group (its DP ranks read back from the gatherer's process group) and rank file (docs/serving.md).
     With quantized targets processed at load, the bytes are the processed ones (R', |T'|), and the line says
-    how many modules were processed and what the rank file held.
+    how many modules were processed and what the rank file held (`server`: whose kernels read them).
 
     >>> log.info(startup_line(binding, "out/"))  # doctest: +SKIP
     """
@@ -300,7 +301,7 @@ def startup_line(binding: Binding, directory: str | Path, processed: ProcessedLa
             f"shard group {group_ranks[0] // n} of {dp_size // n} (DP ranks {group_ranks[0]}..{group_ranks[-1]}), "
             f"rank file {shards.rank} of {n}"
             + ("" if processed is None else
-               f"; processed at load: {len(processed.modules)} quantized modules, their bytes as vLLM's kernels "
+               f"; processed at load: {len(processed.modules)} quantized modules, their bytes as {server}'s kernels "
                f"read them (the rank file held {processed.rank_file_bytes})"))
 
 

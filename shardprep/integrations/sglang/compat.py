@@ -15,7 +15,8 @@
   (`padded_sizes`).
 - The CPU linear layers: with AMX, SGLang repacks an unquantized weight after loading (`_amx_process_weight_
   after_loading`) for its own kernel; a layer whose weight is swapped in per forward must keep the plain path
-  (`keep_plain_linear`).
+  (`keep_plain_linear`). A quantized layer's post-load step (block FP8 on the CPU: VNNI packing) runs once at
+  load in sharded mode instead, and SGLang's own pass then skips it (`process_quantized`).
 
 Nothing else in shardprep imports SGLang's internals.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -182,7 +183,8 @@ as `original_<name>` in the model's config."""
 
 def padded_sizes(model_config: Any) -> dict[str, tuple[int, int]]:
     """{size name: (the checkpoint's, SGLang's)} for every MLP size SGLang padded: on the CPU it rounds them up to a
-    multiple of tp_size × 32, and the MLP weights it builds are then larger than the checkpoint's (zero-padded).
+    multiple of tp_size × 32 (of tp_size × the block size, 128, for block FP8), and the MLP weights it builds are
+    then larger than the checkpoint's (zero-padded).
 
     >>> padded_sizes(model_config)  # doctest: +SKIP
     """
@@ -191,25 +193,41 @@ def padded_sizes(model_config: Any) -> dict[str, tuple[int, int]]:
             if hasattr(config, f"original_{name}") and getattr(config, f"original_{name}") != getattr(config, name)}
 
 
-def quantized_targets(model: nn.Module, is_target: Callable[[str], bool]) -> list[tuple[str, str]]:
-    """The target linear layers SGLang built with a quantized method: (name, the method's class name).
-
-    >>> quantized_targets(model, bound_later(manifest))  # doctest: +SKIP
-    """
-    from sglang.srt.layers.linear import LinearBase
-
-    return [(name, type(getattr(module, "quant_method", None)).__name__) for name, module in model.named_modules()
-            if isinstance(module, LinearBase) and is_target(f"{name}.weight") and is_quantized(module)]
-
-
 def is_quantized(module: nn.Module) -> bool:
-    """Whether SGLang built `module` with a quantized linear method (sharded mode does not process those yet)."""
+    """Whether SGLang built `module` with a quantized linear method (sharded mode processes those at load:
+    `process_quantized`)."""
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
     method = getattr(module, "quant_method", None)
     if isinstance(method, PlainLinearMethod):
         method = method.method
     return method is not None and not isinstance(method, UnquantizedLinearMethod)
+
+
+def process_quantized(module: nn.Module) -> None:
+    """Run SGLang's post-load step of `module`'s quant method now, as SGLang's loader would
+    (`DefaultModelLoader.postprocess_weights`: `quant_method.process_weights_after_loading(module)`), and make
+    SGLang's own pass later skip the module.
+
+    On the CPU, block FP8's step packs the weight for SGLang's kernels (VNNI, shape and dtype kept) and keeps the
+    scales float32; sharded mode then shards what the step left (processed_layers.py). Each call runs the step
+    (sharded mode runs it twice per module); only SGLang's own later call is skipped, and only for modules
+    processed here, so a method object shared with another module still processes that one.
+
+    >>> process_quantized(model.model.layers[1].self_attn.o_proj)  # doctest: +SKIP
+    """
+    method: Any = module.quant_method
+    if not hasattr(method, "_shardprep_step"):
+        step, done = method.process_weights_after_loading, set[int]()
+
+        def unless_done(layer: nn.Module) -> None:
+            if id(layer) not in done:
+                step(layer)
+
+        method._shardprep_step, method._shardprep_done = step, done
+        method.process_weights_after_loading = unless_done
+    method._shardprep_step(module)
+    method._shardprep_done.add(id(module))
 
 
 def logger() -> logging.Logger:
@@ -219,48 +237,70 @@ def logger() -> logging.Logger:
 
 @contextmanager
 def target_weights_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[tuple[str, nn.Parameter]]]:
-    """While SGLang builds a model inside this block, give every unquantized linear layer's weight whose name
-    `is_target` accepts no storage: its shape, dtype, device and SGLang attributes, and one element.
+    """While SGLang builds a model inside this block, give every linear layer's weight whose name `is_target`
+    accepts no storage: its shape, dtype, device and SGLang attributes, and one element.
 
     Yields the (name, parameter) pairs made so, for the caller to check that `bind` bound each. SGLang 0.5.23
-    creates a linear layer's weight in `UnquantizedLinearMethod.create_weights(layer, ...)`, called from the
-    layer's constructor, and does not keep the layer's name (`prefix`) on it: `LinearBase.__init__` is wrapped to
-    note it first. The weight is created on the `meta` device (nothing is allocated), then swapped for a
-    zero-stride view of one element on the model's device with the parameter's class and attributes (a `meta`
-    parameter could not be pointed at device memory later, which is what `bind` does). A quantized layer's
-    weights are built as SGLang builds them (sharded mode refuses them later).
+    creates a linear layer's weight in its method's `create_weights(layer, ...)` (`UnquantizedLinearMethod`,
+    `Fp8LinearMethod`, ...), called from the layer's constructor, and does not keep the layer's name (`prefix`) on
+    it: `LinearBase.__init__` is wrapped to note it first, and every linear method's `create_weights` for the
+    duration of the block. An unquantized weight is created on the `meta` device (nothing is allocated); a quantized
+    layer's are created as SGLang creates them, since its scales (not targets) are loaded later, and its target
+    weight (one layer's) is freed at once. The weight is then swapped for a zero-stride view of one element on the
+    model's device with the parameter's class and attributes (a `meta` parameter could not be pointed at device
+    memory later, which is what `bind` does).
 
     >>> with target_weights_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
     ...     model = _initialize_model(model_config, load_config, quant_config)
     """
     from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.quantization.base_config import LinearMethodBase
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
     made: list[tuple[str, nn.Parameter]] = []
-    original_init, original_create = LinearBase.__init__, UnquantizedLinearMethod.create_weights
+    original_init = LinearBase.__init__
     prefix_of = inspect.signature(original_init)
+    depth = [0]  # a method's create_weights may call another's: only the outermost call swaps
 
     def init(layer: nn.Module, *args: Any, **kwargs: Any) -> None:
         layer.__dict__[PREFIX] = prefix_of.bind(layer, *args, **kwargs).arguments.get("prefix", "")
         original_init(layer, *args, **kwargs)
 
-    def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        name = f"{layer.__dict__.get(PREFIX, '')}.weight"
-        if not is_target(name):
-            return original_create(method, layer, *args, **kwargs)
-        with torch.device("meta"):  # inside SGLang's `with target_device:`, the innermost context wins
-            result = original_create(method, layer, *args, **kwargs)
-        built: Any = layer._parameters["weight"]
-        weight = nn.Parameter(placeholder(built.shape, built.dtype), requires_grad=False)  # the model's device
-        weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
-        layer.register_parameter("weight", weight)
-        made.append((name, weight))
-        return result
+    def wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
+        def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            name = f"{layer.__dict__.get(PREFIX, '')}.weight"
+            if depth[0] or not is_target(name):
+                return original(method, layer, *args, **kwargs)
+            depth[0] += 1
+            try:
+                # Inside SGLang's `with target_device:`, the innermost context wins.
+                with torch.device("meta") if isinstance(method, UnquantizedLinearMethod) else nullcontext():
+                    result = original(method, layer, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            built: Any = layer._parameters.get("weight")
+            if built is not None:  # a method storing its weight under another name (`qweight`) is never bound
+                weight = nn.Parameter(placeholder(built.shape, built.dtype), requires_grad=False)  # the model's device
+                weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
+                layer.register_parameter("weight", weight)
+                made.append((name, weight))
+            return result
 
+        return create_weights
+
+    classes, todo = [], [LinearMethodBase]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if "create_weights" in vars(cls):
+            classes.append(cls)
+    originals = {cls: vars(cls)["create_weights"] for cls in classes}
     LinearBase.__init__ = init
-    UnquantizedLinearMethod.create_weights = create_weights
+    for cls, original in originals.items():
+        cls.create_weights = wrapped(original)
     try:
         yield made
     finally:
         LinearBase.__init__ = original_init
-        UnquantizedLinearMethod.create_weights = original_create
+        for cls, original in originals.items():
+            cls.create_weights = original

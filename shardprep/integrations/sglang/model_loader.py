@@ -37,9 +37,11 @@ class ShardprepModelLoader(DefaultModelLoader):
     Sharded mode (`model_loader_extra_config={"shard_weights": true}`, DP attention with attention TP 1): each DP
     rank maps only its own rank file, binds the model's targets to a gatherer's views over its shard group (one
     gather per layer, one layer ahead, two slots) and loads only the other weights; this happens inside
-    `load_model`, before SGLang sizes its KV pool from the memory left. A target that SGLang splits over TP,
-    quantizes or pads is refused (`refuse_unshardable`). SGLang's post-load step then runs on the model as
-    usual: DeepseekV2's `post_load_weights` reads only kv_b_proj, which the deepseek-v3 preset keeps replicated.
+    `load_model`, before SGLang sizes its KV pool from the memory left. A target that SGLang splits over TP or
+    pads is refused (`refuse_unshardable`). Quantized targets (block FP8) are processed at load, one layer at a
+    time, by SGLang's own step (`compat.process_quantized`), and what its kernels read afterwards is sharded
+    (processed_layers.py). SGLang's post-load step then runs on the rest of the model as usual: DeepseekV2's
+    `post_load_weights` reads only kv_b_proj, which the deepseek-v3 preset keeps replicated.
 
     >>> sgl.Engine(model_path="out/", load_format="shardprep")  # doctest: +SKIP
     """
@@ -81,14 +83,15 @@ class ShardprepModelLoader(DefaultModelLoader):
             self.binding, processed = load_sharded(
                 model, directory, layout, compat.keep_plain_linear, self.options.verify,
                 self.options.shard_group_size, self.options.allow_cross_node_groups, manifest=manifest,
-                is_quantized=compat.is_quantized, model_name=compat.model_name)
+                is_quantized=compat.is_quantized, process_quantized=compat.process_quantized,
+                model_name=compat.model_name)
             bound = parameter_names(model, {id(p) for p in self.binding.target_parameters.values()})
             unbound = [name for name, _ in made if name not in bound]
             if unbound:
                 raise ShardprepError(f"{unbound[0]!r} was built without storage as a target of {directory}, but no "
                                      "manifest tensor was bound to it; was the directory converted from this model?")
             DefaultModelLoader.postprocess_weights(model, device)
-        compat.logger().info(startup_line(self.binding, directory, processed)
+        compat.logger().info(startup_line(self.binding, directory, processed, server="SGLang")
                              + f"; {len(made)} target weights built without storage")
         return model.eval()
 
@@ -96,7 +99,7 @@ class ShardprepModelLoader(DefaultModelLoader):
 def refuse_unshardable(model: nn.Module, model_config: ModelConfig, manifest: Manifest, directory: str,
                        is_target: Callable[[str], bool]) -> None:
     """Refuse, in one line, targets that SGLang built so that no rank holds the checkpoint's replicated weight:
-    split over its TP ranks, quantized (rewritten after loading), or padded (MLP sizes on the CPU under TP).
+    split over its TP ranks, or padded (MLP sizes on the CPU under TP).
 
     >>> refuse_unshardable(model, model_config, manifest, "out/", is_target)  # doctest: +SKIP
     """
@@ -108,12 +111,6 @@ def refuse_unshardable(model: nn.Module, model_config: ModelConfig, manifest: Ma
         raise ShardprepError(f"{directory}: SGLang splits the target {name} over its {ranks} TP ranks, so it is not "
                              f"replicated under DP attention and cannot be sharded; {advice}convert with a preset "
                              "that leaves it out, or serve in full mode")
-    quantized = compat.quantized_targets(model, is_target)
-    if quantized:
-        name, method = quantized[0]
-        raise ShardprepError(f"{directory}: the target {name} is quantized ({method}), and sharded mode does not "
-                             "process SGLang's quantized layers (it rewrites their weights after loading); serve it "
-                             "in full mode, or convert an unquantized checkpoint")
     padded = compat.padded_sizes(model_config)
     mlp_targets = [name for name in manifest.target_names() if ".mlp." in name]
     if padded and mlp_targets:
@@ -121,4 +118,4 @@ def refuse_unshardable(model: nn.Module, model_config: ModelConfig, manifest: Ma
         raise ShardprepError(f"{directory}: SGLang pads {size} from {checkpoint} to {sglangs} on the CPU under TP, so "
                              f"MLP targets such as {mlp_targets[0]} are built larger than the checkpoint's; serve it "
                              f"in full mode, or convert a checkpoint whose {size} SGLang leaves as is (a multiple of "
-                             "tp_size x 32)")
+                             "tp_size x 32, or of tp_size x the block size when block-quantized)")
