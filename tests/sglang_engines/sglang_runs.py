@@ -12,8 +12,10 @@ batches while the other still decodes.
 
 The test plugins, each documented in its file, are declared here as `sglang.srt.plugins` entry points of a
 directory on PYTHONPATH (SGLang loads them in every one of its processes): gloo_groups.py (parallel groups without
-PyNccl) and torch_native_fill.py (the torch-native backend's `get_cpu_graph_seq_len_fill_value`), and
-stand_ins/sgl_kernel.py is put on PYTHONPATH as the module `sgl_kernel`. shardprep's own plugin
+PyNccl), torch_native_fill.py (the torch-native backend's `get_cpu_graph_seq_len_fill_value`), torch_native_mla.py
+(MLA's absorbed path), and, each inactive unless its variables are set, fixed_cpu_memory.py (the KV pool's free
+memory), opened_files.py (which files each rank opens) and fp8_kernels.py (block FP8's CPU path, its kernels in
+torch); stand_ins/sgl_kernel.py is put on PYTHONPATH as the module `sgl_kernel`. shardprep's own plugin
 (`--load-format shardprep`) comes from its installed entry point, as for any user.
 
 A scheduler that fails while the model loads sends SIGQUIT to the engine's process, whose default handler kills
@@ -43,6 +45,7 @@ import urllib.request
 from pathlib import Path
 
 import fixed_cpu_memory
+import fp8_kernels
 import gloo_groups
 import opened_files
 import torch_native_fill
@@ -66,7 +69,7 @@ BASE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_grap
         "disable_radix_cache": True, "skip_server_warmup": True, "dtype": "bfloat16"}
 PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "torch_native_fill:register",
            opened_files.NAME: "opened_files:register", torch_native_mla.NAME: "torch_native_mla:register",
-           fixed_cpu_memory.NAME: "fixed_cpu_memory:register"}
+           fixed_cpu_memory.NAME: "fixed_cpu_memory:register", fp8_kernels.NAME: "fp8_kernels:register"}
 
 
 def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict, str]:
