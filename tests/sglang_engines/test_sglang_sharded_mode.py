@@ -1,7 +1,9 @@
 """SGLang's `--load-format shardprep`, sharded mode, under DP attention on SGLang 0.5.23 on the CPU (tiny Qwen3-MoE,
 `tp_size=2, dp_size=2, enable_dp_attention=True`: attention TP 1, two DP ranks, one shard group of two): the
-tokens of full mode and of SGLang's own loader from the source, bit for bit, under an uneven load; each rank logs
-its startup line, before SGLang sizes its KV pool, and builds its targets' weights without storage.
+tokens of full mode, bit for bit, under an uneven load; each rank logs its startup line, before SGLang sizes its
+KV pool, and builds its targets' weights without storage. (That full mode under DP attention gives SGLang's own
+loader's tokens from the source is checked on DeepSeek-V3, bf16 in test_sglang_mla.py and block FP8 in
+test_sglang_fp8.py, not again here: an engine costs a minute of CI.)
 
 The load is uneven: three requests asking for 8, 2 and 6 tokens over two DP ranks, so one rank is done first
 and runs SGLang's IDLE batches while the other decodes. Its gathers must pair with the busy rank's (gloo
@@ -62,7 +64,7 @@ def engines(checkpoint_cache, tmp_path_factory):
     # sglang_runs adds each node's --model-path, --nnodes, --node-rank and --dist-init-addr (docs/serving.md).
     server = ["--load-format", "shardprep", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
               "--model-loader-extra-config", json.dumps({"shard_weights": True})]
-    plan = {"runs": [run("source", src), recording_opens("full", run("full", out, load_format="shardprep")),
+    plan = {"runs": [recording_opens("full", run("full", out, load_format="shardprep")),
                      recording_opens("sharded", run("sharded", out, load_format="shardprep", **SHARDED)),
                      {"name": "two nodes", "model": str(out), "server": server, "prompts": PROMPTS,
                       "max_tokens": TOKENS, "node_models": node_directories(out, root, 2)},
@@ -110,12 +112,6 @@ def test_sharded_mode_gives_full_modes_tokens_bit_for_bit_under_dp_attention_wit
     assert "tokens" in results["full"], results["full"]
     assert [len(t) for t in results["full"]["tokens"]] == TOKENS
     assert results["sharded"]["tokens"] == results["full"]["tokens"]
-
-
-def test_full_mode_under_dp_attention_gives_sglangs_own_tokens_from_the_source(engines):
-    results = engines[0]
-    assert "tokens" in results["source"], results["source"]
-    assert results["full"]["tokens"] == results["source"]["tokens"]
 
 
 def test_each_dp_rank_logs_its_resident_bytes_against_full_weights_from_its_own_rank_file(engines):
