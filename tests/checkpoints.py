@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-published", "deepseek-v3-mla", "kimi-k2-mla",
-         "deepseek-v3-mla-q-proj", "deepseek-v3-mla-blocks", "deepseek-v3-mla-blocks-8-heads", "kimi-linear", "bert",
-         "kimi-k3", "deepseek-v3-mtp", "deepseek-v3-mla-mtp", "deepseek-v3-mla-blocks-mtp", "kimi-k3-mtp",
-         "dflash", "eagle3")
+ARCHS = ("llama", "qwen3-moe", "deepseek-v3", "deepseek-v3-published", "deepseek-v3-published-blocks",
+         "deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj", "deepseek-v3-mla-blocks",
+         "deepseek-v3-mla-blocks-8-heads", "kimi-linear", "bert", "kimi-k3",
+         "deepseek-v3-mtp", "deepseek-v3-mla-mtp", "deepseek-v3-mla-blocks-mtp", "kimi-k3-mtp", "dflash", "eagle3")
 MTP_SUFFIX = "-mtp"
 """`ARCH-mtp`: the DeepSeek-V3 `ARCH` with one MTP layer, laid out as DeepSeek publishes it (make_mtp_checkpoint);
 `kimi-k3-mtp`: Kimi K3 with its MTP layer (make_kimi_k3_checkpoint)."""
@@ -85,6 +85,18 @@ def tiny_config(arch: str, *, layers: int = 3, hidden: int = 64, vocab: int = 12
                                    q_lora_rank=32, kv_lora_rank=32,
                                    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1,
                                    topk_group=1, max_position_embeddings=256, tie_word_embeddings=False, **published)
+    if arch == "deepseek-v3-published-blocks":
+        # deepseek-v3-published sized for SGLang's block-FP8 CPU path under TP 2: q_lora_rank a whole 128-block
+        # (as DeepSeek's 1536: SGLang concatenates q_a's and kv_a's scales into fused_qkv_a_proj_with_mqa's, which
+        # takes no partial block of q_a), every MLP size a multiple of 2 x 128 (SGLang pads it otherwise), and every
+        # projection's rows a multiple of 16 and columns of 32 (SGLang's CPU kernels pack only those; kv_a + q_a
+        # is 128 + 32 + 16 rows).
+        return tf.DeepseekV3Config(vocab_size=vocab, hidden_size=128, intermediate_size=256,
+                                   moe_intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                   n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=32,
+                                   qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+                                   max_position_embeddings=256, tie_word_embeddings=False, **PUBLISHED)
     if arch in ("deepseek-v3-mla", "deepseek-v3-mla-q-proj"):
         # topk_method / scoring_func: vLLM builds the router's e_score_correction_bias (which transformers'
         # DeepSeek-V3 always has) only for noaux_tc, and scores with softmax unless told sigmoid.

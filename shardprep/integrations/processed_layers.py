@@ -102,6 +102,33 @@ class PlaceholderGatherer:
         return self._views[layer]
 
 
+def run_post_load_step_now(module: nn.Module, then: Callable[[nn.Module], None] | None = None) -> None:
+    """Run `module`'s quant method's post-load step (`quant_method.process_weights_after_loading(module)`, the
+    convention of the servers' quantized methods) now, then `then(module)` if given, and make the server's own pass
+    over the model later skip this module.
+
+    Each call runs the step (sharded mode runs it twice per module: the module docstring says why); only the
+    server's own later call is skipped, and only for modules processed here, so a method object shared with another
+    module still processes that one.
+
+    >>> run_post_load_step_now(model.model.layers[1].self_attn.o_proj)  # doctest: +SKIP
+    """
+    method: Any = module.quant_method
+    if not hasattr(method, "_shardprep_step"):
+        step, done = method.process_weights_after_loading, set[int]()
+
+        def unless_done(layer: nn.Module) -> None:
+            if id(layer) not in done:
+                step(layer)
+
+        method._shardprep_step, method._shardprep_done = step, done
+        method.process_weights_after_loading = unless_done
+    method._shardprep_step(module)
+    if then is not None:
+        then(module)
+    method._shardprep_done.add(id(module))
+
+
 def needs_processing(binding: Binding, is_quantized: Callable[[nn.Module], bool]) -> bool:
     """Whether any module owning a bound parameter is quantized (then `process_layers` must run)."""
     return any(is_quantized(module) for layer in binding.layers for module, _ in _owners(layer))

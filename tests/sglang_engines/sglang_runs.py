@@ -12,9 +12,11 @@ batches while the other still decodes.
 
 The test plugins, each documented in its file, are declared here as `sglang.srt.plugins` entry points of a
 directory on PYTHONPATH (SGLang loads them in every one of its processes): gloo_groups.py (parallel groups without
-PyNccl) and torch_native_fill.py (the torch-native backend's `get_cpu_graph_seq_len_fill_value`), kimi_k3_build.py
-(Kimi K3 built on the CPU) and k3_load_probe.py (K3 loaded every way inside the engine's processes), and
-stand_ins/sgl_kernel.py is put on PYTHONPATH as the module `sgl_kernel`. shardprep's own plugin
+PyNccl), torch_native_fill.py (the torch-native backend's `get_cpu_graph_seq_len_fill_value`), torch_native_mla.py
+(MLA's absorbed path), and, each inactive unless its variables are set, fixed_cpu_memory.py (the KV pool's free
+memory), opened_files.py (which files each rank opens), fp8_kernels.py (block FP8's CPU path, its kernels in
+torch), kimi_k3_build.py (Kimi K3 built on the CPU) and k3_load_probe.py (K3 loaded every way inside the engine's
+processes); stand_ins/sgl_kernel.py is put on PYTHONPATH as the module `sgl_kernel`. shardprep's own plugin
 (`--load-format shardprep`) comes from its installed entry point, as for any user.
 
 A scheduler that fails while the model loads sends SIGQUIT to the engine's process, whose default handler kills
@@ -23,11 +25,15 @@ it (SGLang's `custom_sigquit_handler`), so the engine raises instead and the nex
 
 A run with "server" instead of "engine" launches `python -m sglang.launch_server` with BASE as its flags and
 "server" (a list of command-line arguments) after them, as a user would, sends the prompts in one batch to its
-HTTP `/generate`, records the tokens, and stops the server's process group.
+HTTP `/generate`, records the tokens, and stops the server's process group. With "node_models" (a model path per
+node) it launches one server per node on this host, each with its own path and `--nnodes`, `--node-rank` and a
+shared `--dist-init-addr` added: the last node first (each node checks on its own host that the ports derived from
+that address are free, and node 0 then takes them), node 0 once the others have logged their server_args; it asks
+node 0, and each node's output follows the run's in the log.
 
 PLAN: {"env" (optional: variables for every engine), "runs": [{"name", "model", "engine" (sgl.Engine kwargs, on
-top of BASE) or "server" (launch_server arguments), "prompts", "max_tokens" (one per prompt), "env" (optional:
-variables for this run's processes), "refusal" (optional)}]}.
+top of BASE) or "server" (launch_server arguments) and optionally "node_models", "prompts", "max_tokens" (one per
+prompt), "env" (optional: variables for this run's processes), "refusal" (optional)}]}.
 RESULTS: {name: {"tokens": [[ids] per prompt], "max_total_num_tokens": int} or {"error": "Type: message"}}.
 """
 
@@ -44,6 +50,7 @@ import urllib.request
 from pathlib import Path
 
 import fixed_cpu_memory
+import fp8_kernels
 import gloo_groups
 import k3_load_probe
 import kimi_k3_build
@@ -70,7 +77,7 @@ BASE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_grap
 PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "torch_native_fill:register",
            opened_files.NAME: "opened_files:register", torch_native_mla.NAME: "torch_native_mla:register",
            fixed_cpu_memory.NAME: "fixed_cpu_memory:register", kimi_k3_build.NAME: "kimi_k3_build:register",
-           k3_load_probe.NAME: "k3_load_probe:register"}
+           k3_load_probe.NAME: "k3_load_probe:register", fp8_kernels.NAME: "fp8_kernels:register"}
 
 
 def plugin_environment(workdir: Path, plugins: dict[str, str], env: dict[str, str]) -> dict[str, str]:
@@ -107,7 +114,7 @@ def noted_sigquit(signum: int, frame: object) -> None:
     print("sglang_runs: a scheduler failed (SIGQUIT); the engine raises", flush=True)
 
 
-def run_plan(plan: dict) -> dict[str, dict]:
+def run_plan(plan: dict, workdir: Path) -> dict[str, dict]:
     import sglang as sgl
 
     results: dict[str, dict] = {}
@@ -120,7 +127,7 @@ def run_plan(plan: dict) -> dict[str, dict]:
             # Ports of their own: an engine's ports stay taken a while after its shutdown (TIME_WAIT).
             port = 20000 + 500 * number + os.getpid() % 400
             if "server" in run:
-                results[run["name"]] = {"tokens": served_tokens(run, port)}
+                results[run["name"]] = {"tokens": served_tokens(run, port, workdir)}
                 continue
             extra = {"custom_sigquit_handler": noted_sigquit} if run.get("refusal") else {}
             engine = sgl.Engine(model_path=run["model"], port=port, **{**BASE, **run["engine"]}, **extra)
@@ -146,29 +153,37 @@ def run_plan(plan: dict) -> dict[str, dict]:
     return results
 
 
-def served_tokens(run: dict, port: int, timeout: float = 900) -> list[list[int]]:
-    """Launch `sglang.launch_server` for `run`, generate its prompts over HTTP, stop it; the tokens per prompt."""
+def served_tokens(run: dict, port: int, workdir: Path, timeout: float = 900) -> list[list[int]]:
+    """Launch `sglang.launch_server` for `run` (one process per node), generate its prompts over HTTP from node 0,
+    stop it; the tokens per prompt."""
     flags = [arg for key, value in BASE.items() if value is not False
              for arg in ([f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)]))]
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", run["model"], "--host", "127.0.0.1",
-            "--port", str(port), *flags, *run["server"]]
-    print("sglang_runs: launching", " ".join(argv), flush=True)
+    models = run.get("node_models", [run["model"]])
+    # Node k serves HTTP (node 0) or SGLang's health check (the others) on port + k; the nodes meet at
+    # --dist-init-addr, from which SGLang derives the ports of its own processes (the next few up).
+    nodes = [["--model-path", model, "--host", "127.0.0.1", "--port", str(port + k), *flags, *run["server"],
+              *(["--nnodes", str(len(models)), "--node-rank", str(k), "--dist-init-addr", f"127.0.0.1:{port + 100}"]
+                if len(models) > 1 else [])] for k, model in enumerate(models)]
     started = time.monotonic()
-    server = subprocess.Popen(argv, start_new_session=True)  # its own process group: stopped as one below
-    url = f"http://127.0.0.1:{port}"
+    servers: list[subprocess.Popen] = []
+    logs = [workdir / f"node{k}-{port}.log" for k in range(len(nodes))]
     try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited with status {server.returncode} before it was ready")
-            if time.monotonic() - started > timeout:
-                raise TimeoutError(f"the server was not ready after {timeout} s")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(1)
+        # The last node first: on one host each node checks that the ports derived from --dist-init-addr are
+        # free, which node 0 then takes; the others have checked once they log their server_args.
+        for k in reversed(range(len(nodes))):
+            argv = [sys.executable, "-m", "sglang.launch_server", *nodes[k]]
+            print(f"sglang_runs: launching node {k}:", " ".join(argv), flush=True)
+            # As on hosts of their own, each node's rank on a core of its own (SGLang binds by the local rank).
+            cores = os.environ["SGLANG_CPU_OMP_THREADS_BIND"].split("|")
+            env = {**os.environ, "SGLANG_CPU_OMP_THREADS_BIND": cores[k]} if len(models) > 1 else None
+            with open(logs[k], "w") as log:  # its own process group: stopped as one below
+                servers.append(subprocess.Popen(argv, start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
+                                                env=env))
+            while k and "server_args=" not in logs[k].read_text():
+                wait_step(servers, started, timeout)
+        url = f"http://127.0.0.1:{port}"
+        while not healthy(url):
+            wait_step(servers, started, timeout)
         ready = time.monotonic()
         body = {"text": run["prompts"],
                 "sampling_params": [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
@@ -181,12 +196,35 @@ def served_tokens(run: dict, port: int, timeout: float = 900) -> list[list[int]]
               f"generate {time.monotonic() - ready:.1f} s", flush=True)
         return [o["output_ids"] for o in outputs]
     finally:
-        stop_group(server, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            stop_group(server, signal.SIGKILL)
-            server.wait()
+        for server in reversed(servers):  # node 0 first: it stops the other nodes' schedulers
+            stop_group(server, signal.SIGTERM)
+        for server in reversed(servers):
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                stop_group(server, signal.SIGKILL)
+                server.wait()
+        for k, log in enumerate(logs):
+            if log.exists():
+                print(f"sglang_runs: node {k}'s output\n{log.read_text()}", flush=True)
+
+
+def wait_step(servers: list[subprocess.Popen], started: float, timeout: float) -> None:
+    """Sleep a second, unless a node has exited or `timeout` has passed since `started` (then raise)."""
+    for server in servers:
+        if server.poll() is not None:
+            raise RuntimeError(f"a server exited with status {server.returncode} before it was ready")
+    if time.monotonic() - started > timeout:
+        raise TimeoutError(f"the server was not ready after {timeout} s")
+    time.sleep(1)
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def stop_group(process: subprocess.Popen, sig: int) -> None:
@@ -200,7 +238,7 @@ def stop_group(process: subprocess.Popen, sig: int) -> None:
 def main(plan_path: str, results_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
     os.environ.update(plan.get("env", {}))
-    Path(results_path).write_text(json.dumps(run_plan(plan)))
+    Path(results_path).write_text(json.dumps(run_plan(plan, Path(results_path).parent)))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from torch import nn
 from ...errors import ShardprepError
 from ...runtime.binding import Binding
 from ...runtime.views import placeholder
+from ..processed_layers import run_post_load_step_now
 from ..server import Built, OptionSpelling, ServerAdapter, WorkerLayout
 
 PREFIX = "_shardprep_prefix"
@@ -321,7 +322,8 @@ def _gathered_rows(module: nn.Module, names: Mapping[int, str], binding: Binding
 
 
 def is_quantized(module: nn.Module) -> bool:
-    """Whether SGLang built `module` with a quantized linear method (sharded mode does not process those yet)."""
+    """Whether SGLang built `module` with a quantized linear method (sharded mode processes those at load:
+    `SglangAdapter.process_quantized`)."""
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
     method = getattr(module, "quant_method", None)
@@ -426,16 +428,18 @@ def refuse_published_draft(directory: str, sharded: bool) -> None:
 
 @contextmanager
 def targets_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[tuple[str, nn.Parameter]]]:
-    """While SGLang builds a model inside this block, give every unquantized linear layer's weight whose name
-    `is_target` accepts no storage: its shape, dtype, device and SGLang attributes, and one element.
+    """While SGLang builds a model inside this block, give every linear layer's weight whose name `is_target`
+    accepts no storage: its shape, dtype, device and SGLang attributes, and one element.
 
     Yields the (name, parameter) pairs made so, for the caller to check that `bind` bound each. SGLang 0.5.23
-    creates a linear layer's weight in `UnquantizedLinearMethod.create_weights(layer, ...)`, called from the
-    layer's constructor, and does not keep the layer's name (`prefix`) on it: `LinearBase.__init__` is wrapped to
-    note it first. The weight is created on the `meta` device (nothing is allocated), then swapped for a
-    zero-stride view of one element on the model's device with the parameter's class and attributes (a `meta`
-    parameter could not be pointed at device memory later, which is what `bind` does). A quantized layer's
-    weights are built as SGLang builds them (sharded mode processes them at load, or refuses them).
+    creates a linear layer's weight in its method's `create_weights(layer, ...)` (`UnquantizedLinearMethod`,
+    `Fp8LinearMethod`, ...), called from the layer's constructor, and does not keep the layer's name (`prefix`) on
+    it: `LinearBase.__init__` is wrapped to note it first, and every linear method's `create_weights` for the
+    duration of the block. An unquantized weight is created on the `meta` device (nothing is allocated); a quantized
+    layer's are created as SGLang creates them, since its scales (not targets) are loaded later, and its target
+    weight (one layer's) is freed at once. The weight is then swapped for a zero-stride view of one element on the
+    model's device with the parameter's class and attributes (a `meta` parameter could not be pointed at device
+    memory later, which is what `bind` does).
 
     SGLang 0.5.23's DFlash draft (`models/dflash.py`) names its layers' linear layers only when its checkpoint is
     quantized (`DFlashDraftModel.quantizable`; otherwise every layer's is `qkv_proj`, `o_proj`, ...): while the
@@ -446,14 +450,16 @@ def targets_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[t
     ...     model = _initialize_model(model_config, load_config, quant_config)
     """
     from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.quantization.base_config import LinearMethodBase
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
     from sglang.srt.models.dflash import DFlashDecoderLayer
 
     made: list[tuple[str, nn.Parameter]] = []
-    original_init, original_create = LinearBase.__init__, UnquantizedLinearMethod.create_weights
+    original_init = LinearBase.__init__
     original_dflash_init = DFlashDecoderLayer.__init__
     prefix_of = inspect.signature(original_init)
     dflash_arguments = inspect.signature(original_dflash_init)
+    depth = [0]  # a method's create_weights may call another's: only the outermost call swaps
 
     def dflash_init(layer: nn.Module, *args: Any, **kwargs: Any) -> None:
         arguments = dflash_arguments.bind(layer, *args, **kwargs).arguments
@@ -465,27 +471,45 @@ def targets_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[t
         layer.__dict__[PREFIX] = prefix_of.bind(layer, *args, **kwargs).arguments.get("prefix", "")
         original_init(layer, *args, **kwargs)
 
-    def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        name = f"{layer.__dict__.get(PREFIX, '')}.weight"
-        if not is_target(name):
-            return original_create(method, layer, *args, **kwargs)
-        with torch.device("meta"):  # inside SGLang's `with target_device:`, the innermost context wins
-            result = original_create(method, layer, *args, **kwargs)
-        built: Any = layer._parameters["weight"]
-        weight = nn.Parameter(placeholder(built.shape, built.dtype), requires_grad=False)  # the model's device
-        weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
-        layer.register_parameter("weight", weight)
-        made.append((name, weight))
-        return result
+    def wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
+        def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            name = f"{layer.__dict__.get(PREFIX, '')}.weight"
+            if depth[0] or not is_target(name):
+                return original(method, layer, *args, **kwargs)
+            depth[0] += 1
+            try:
+                # Inside SGLang's `with target_device:`, the innermost context wins.
+                with torch.device("meta") if isinstance(method, UnquantizedLinearMethod) else nullcontext():
+                    result = original(method, layer, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            built: Any = layer._parameters.get("weight")
+            if built is not None:  # a method storing its weight under another name (`qweight`) is never bound
+                weight = nn.Parameter(placeholder(built.shape, built.dtype), requires_grad=False)  # the model's device
+                weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
+                layer.register_parameter("weight", weight)
+                made.append((name, weight))
+            return result
 
+        return create_weights
+
+    classes, todo = [], [LinearMethodBase]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if "create_weights" in vars(cls):
+            classes.append(cls)
+    originals = {cls: vars(cls)["create_weights"] for cls in classes}
     LinearBase.__init__ = init
-    UnquantizedLinearMethod.create_weights = create_weights
+    for cls, original in originals.items():
+        cls.create_weights = wrapped(original)
     DFlashDecoderLayer.__init__ = dflash_init
     try:
         yield made
     finally:
         LinearBase.__init__ = original_init
-        UnquantizedLinearMethod.create_weights = original_create
+        for cls, original in originals.items():
+            cls.create_weights = original
         DFlashDecoderLayer.__init__ = original_dflash_init
 
 
@@ -531,6 +555,16 @@ class SglangAdapter(ServerAdapter):
 
     def is_quantized(self, module: nn.Module) -> bool:
         return is_quantized(module)
+
+    def process_quantized(self, module: nn.Module) -> None:
+        """Run SGLang's post-load step of `module`'s quant method now, as its loader would
+        (`DefaultModelLoader.postprocess_weights`), and make SGLang's own pass later skip the module. On the CPU,
+        block FP8's step packs the weight for SGLang's kernels (VNNI, shape and dtype kept) and keeps the scales
+        float32; sharded mode shards what the step left (processed_layers.py).
+
+        >>> SglangAdapter(config, device).process_quantized(model.model.layers[1].mlp.down_proj)  # doctest: +SKIP
+        """
+        run_post_load_step_now(module)
 
     def default_weight_loader(self) -> Callable[..., Any]:
         """SGLang's loader of a parameter without a `weight_loader` of its own."""
@@ -607,4 +641,4 @@ class SglangAdapter(ServerAdapter):
             raise ShardprepError(f"{directory}: SGLang pads {size} from {checkpoint} to {sglangs} on the CPU under "
                                  f"TP, so MLP targets such as {mlp_targets[0]} are built larger than the checkpoint's; "
                                  f"serve it in full mode, or convert a checkpoint whose {size} SGLang leaves as is (a "
-                                 "multiple of tp_size x 32)")
+                                 "multiple of tp_size x 32, of tp_size x 128 for block FP8)")

@@ -31,6 +31,7 @@ from torch import nn
 
 from ...errors import ShardprepError
 from ...runtime.views import placeholder
+from ..processed_layers import run_post_load_step_now
 from ..server import Built, OptionSpelling, ServerAdapter, WorkerLayout
 
 LOAD_FORMAT = "shardprep"
@@ -305,26 +306,12 @@ class VllmAdapter(ServerAdapter):
         (`model_loader.utils.process_weights_after_loading`), and make vLLM's own pass later skip the module.
 
         Each call runs the step (sharded mode runs it twice per module: processed_layers.py says why); only vLLM's
-        own later call is skipped, and only for modules processed here, so a method object shared with another
-        module still processes that one.
+        own later call is skipped (`processed_layers.run_post_load_step_now`).
 
         >>> VllmAdapter().process_quantized(model.model.layers[1].self_attn.o_proj)  # doctest: +SKIP
         """
-        method: Any = module.quant_method
-        if not hasattr(method, "_shardprep_step"):
-            step, done = method.process_weights_after_loading, set[int]()
-
-            def unless_done(layer: nn.Module) -> None:
-                if id(layer) not in done:
-                    step(layer)
-
-            method._shardprep_step, method._shardprep_done = step, done
-            method.process_weights_after_loading = unless_done
-        method._shardprep_step(module)
-        update: Any = getattr(module, "update_param_tp_status", None)  # as vLLM's loader does after each step
-        if update is not None:
-            update()
-        method._shardprep_done.add(id(module))
+        # As vLLM's loader does after each step: a parameter's TP status follows what the step left.
+        run_post_load_step_now(module, then=lambda m: getattr(m, "update_param_tp_status", lambda: None)())
 
     def defaulted_parameters(self, model: nn.Module) -> set[str]:
         """The model's parameters a checkpoint may lack, by vLLM's own rule for quantized models
