@@ -22,7 +22,9 @@ pytestmark = pytest.mark.timeout(900)
 
 import draft_loading  # noqa: E402
 import test_sglang_drafts  # noqa: E402
+import test_sglang_fp8  # noqa: E402
 import test_sglang_mla  # noqa: E402
+import test_sglang_sharded_mode  # noqa: E402
 from recipes import read_recipes  # noqa: E402
 
 from shardprep.prep.convert import convert  # noqa: E402
@@ -37,12 +39,25 @@ RECIPES = {
         {"load_format": "shardprep", **test_sglang_drafts.DP_ATTENTION, **test_sglang_mla.SHARDED,
          **draft_loading.SPECULATIVE["NEXTN"]},
         test_sglang_drafts.REPLICATED_SHARED_EXPERT, {"tp_size", "dp_size", "ep_size"}),
+    "deepseek-v3-sglang-one-node": (
+        {"load_format": "shardprep", **test_sglang_fp8.DP_ATTENTION, **test_sglang_fp8.SHARDED},
+        # The test's other variable turns on its FP8 kernels' torch references (fp8_kernels.py): the CPU's only.
+        {"SGLANG_SHARED_EXPERT_TP1": test_sglang_fp8.ENV["SGLANG_SHARED_EXPERT_TP1"]},
+        {"tp_size", "dp_size", "ep_size"}),
+    "deepseek-v3-sglang-two-nodes": (
+        # Node 0's line as sglang_runs launches it (test_sglang_sharded_mode.py, "two nodes"); the tiny Qwen3-MoE it
+        # ran has no shared expert, so no SGLANG_SHARED_EXPERT_TP1 there: the recipe's is DeepSeek's (test_sglang_mla).
+        {"load_format": "shardprep", **test_sglang_sharded_mode.DP_ATTENTION, **test_sglang_sharded_mode.SHARDED,
+         "nnodes": 2, "node_rank": 0, "dist_init_addr": "127.0.0.1:5000"},
+        test_sglang_mla.REPLICATED_SHARED_EXPERT,
+        {"tp_size", "dp_size", "ep_size", "dist_init_addr", "extra.shard_group_size"}),
 }
 """Every supported SGLang recipe: the engine arguments and environment its test ran (test_sglang_mla.py's engines,
 test_sglang_drafts.py's in-process loads), and what the recipe sets otherwise (GPU only)."""
-NOT_YET = ("deepseek-v3-sglang-one-node", "deepseek-v3-sglang-two-nodes", "kimi-k3-sglang-one-node")
+NOT_YET = ("kimi-k3-sglang-one-node",)
 GPU_ONLY = {"tp_size", "dp_size", "ep_size", "nnodes", "node_rank", "dist_init_addr", "extra.shard_group_size"}
-SAYS = {"tp_size": r"DP\s+\d+", "dp_size": r"DP\s+\d+", "ep_size": r"expert\s+parallelism"}
+SAYS = {"tp_size": r"DP\s+\d+", "dp_size": r"DP\s+\d+", "ep_size": r"expert\s+parallelism",
+        "dist_init_addr": r"two\s+machines", "extra.shard_group_size": r"shard\s+group\s+size"}
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(900)
 
+import test_vllm_draft_models  # noqa: E402
 import test_vllm_fp8  # noqa: E402
 import test_vllm_kimi_k3  # noqa: E402
 import test_vllm_mtp  # noqa: E402
@@ -41,7 +42,7 @@ class Tested:
     """The engine test a recipe is held to: the tiny model it stands in for, the engine arguments the test ran
     (or Kimi K3's DP size, as k3_loading.engine_config builds its config), and what the recipe sets otherwise."""
 
-    model: str  # "mla" (DeepSeek-V3, with its MTP layer) or "k3"
+    model: str  # "mla" (DeepSeek-V3, with its MTP layer), "k3", or "dflash" (a Qwen3-MoE with its DFlash draft)
     engine: dict = field(default_factory=dict)
     k3_dp: int = 0
     gpu_only: set[str] = field(default_factory=set)
@@ -61,6 +62,10 @@ RECIPES = {
     "kimi-k3-vllm-two-nodes": Tested(
         "k3", k3_dp=test_vllm_kimi_k3.DP,
         gpu_only={"data_parallel_size", "nodes", "enable_expert_parallel", "extra.shard_group_size"}),
+    "dflash-vllm-one-node": Tested(
+        "dflash", {**test_vllm_draft_models.SHARDED, **test_vllm_draft_models.spec("dflash", "DRAFT"),
+                   "data_parallel_size": 2},
+        gpu_only={"data_parallel_size", "enable_expert_parallel"}),
 }
 """Every supported vLLM recipe of docs/recipes.md, and the engine test it is held to."""
 NOT_YET = ()
@@ -80,18 +85,26 @@ K3's engine test turns it off as well (k3_loading.engine_config). On GPUs the re
 def configs(checkpoint_cache, tmp_path_factory):
     """vLLM's deployment of every recipe line (by recipe id and line) and of every engine test's arguments."""
     root = tmp_path_factory.mktemp("vllm-recipes")
-    models = {"mla": root / "mla", "k3": root / "k3"}
+    models = {"mla": root / "mla", "k3": root / "k3", "dflash": root / "qwen3-moe"}
     convert(checkpoint_cache("deepseek-v3-mla-mtp", layers=3), models["mla"], 2, preset="deepseek-v3")
     convert(checkpoint_cache("kimi-k3-mtp", layers=4), models["k3"], 2, preset="kimi-k3")
+    convert(checkpoint_cache("qwen3-moe", layers=test_vllm_draft_models.L, head_dim=32), models["dflash"], 2,
+            preset="qwen3-moe")
+    draft = root / "dflash"  # what a recipe's DRAFT-n8 stands for
+    convert(checkpoint_cache("dflash", layers=2, target_layers=test_vllm_draft_models.L), draft, 2, preset="dflash")
     jobs = {}
     for key, recipe in ALL.items():
-        family = "k3" if key.startswith("kimi-k3") else "mla"
+        family = "k3" if key.startswith("kimi-k3") else "dflash" if key.startswith("dflash") else "mla"
         for i, line in enumerate(recipe.served()):
-            jobs[f"{key} {i}"] = {"serve": on_model(line, models[family]), "cpu_only": CPU_ONLY.get(family, [])}
+            jobs[f"{key} {i}"] = {"serve": on_model(line, models[family], draft),
+                                  "cpu_only": CPU_ONLY.get(family, [])}
     for key, tested in RECIPES.items():
         model = str(models[tested.model])
+        engine = {**tested.engine}
+        if "speculative_config" in engine and engine["speculative_config"].get("model") == "DRAFT":
+            engine["speculative_config"] = {**engine["speculative_config"], "model": str(draft)}
         jobs[f"{key} tested"] = {"k3": [model, tested.k3_dp]} if tested.k3_dp else {
-            "engine": {"model": model, **tested.engine}}
+            "engine": {"model": model, **engine}}
     (root / "in.json").write_text(json.dumps(jobs))
     done = subprocess.run([sys.executable, str(HERE / "recipe_configs.py"), str(root / "in.json"),
                            str(root / "out.json")], capture_output=True, text=True, timeout=800)
@@ -99,10 +112,17 @@ def configs(checkpoint_cache, tmp_path_factory):
     return json.loads((root / "out.json").read_text())
 
 
-def on_model(line: Command, model: Path) -> list[str]:
-    """The line's arguments after `vllm`, serving `model` instead of the published model's output."""
+def on_model(line: Command, model: Path, draft: Path) -> list[str]:
+    """The line's arguments after `vllm`, serving `model` instead of the published model's output, and `draft` as
+    a speculative config's separate draft model (a draft's output: DFlash, EAGLE-3)."""
     assert line.argv[:2] == ["vllm", "serve"], line.argv
-    return ["serve", str(model), *line.argv[3:]]
+    argv = ["serve", str(model), *line.argv[3:]]
+    if "--speculative-config" in argv:
+        i = argv.index("--speculative-config") + 1
+        spec = json.loads(argv[i])
+        if "model" in spec:
+            argv[i] = json.dumps({**spec, "model": str(draft)})
+    return argv
 
 
 def test_every_supported_vllm_recipe_is_held_to_an_engine_test():
