@@ -33,7 +33,7 @@ def test_every_recipe_says_its_status_and_a_supported_one_what_ran_and_what_did_
             assert named and all((ROOT / t).is_file() for t in named), (recipe.id, named)
         else:
             why = recipe.text.split("**Not yet supported:** ", 1)[1]
-            assert len(why.split(".")[0].split()) >= 5, recipe.id  # a sentence saying why
+            assert len(why.split()) >= 5, recipe.id  # a sentence saying why
 
 
 def test_the_pages_table_lists_every_recipe_and_the_readme_links_the_page():
