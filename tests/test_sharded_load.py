@@ -188,6 +188,25 @@ def test_tracking_restores_each_parameters_own_loader_and_compares_equal_to_it()
         check_all_loaded(layer, None, "out/", seen=seen)
 
 
+def test_tracking_watches_a_loader_behind_a_read_only_property_and_puts_it_back():
+    # SGLang's quantized parameters (BasevLLMParameter) expose `weight_loader` as a property over `_weight_loader`.
+    class PropertyParameter(nn.Parameter):
+        @property
+        def weight_loader(self):
+            return self._weight_loader
+
+    def own(param, tensor):
+        param.data.copy_(tensor)
+
+    layer = nn.Linear(2, 2)
+    layer.weight = PropertyParameter(torch.ones(2, 2))
+    layer.weight._weight_loader = own
+    with tracked_loading(layer, lambda p, t: None) as seen:
+        layer.weight.weight_loader(layer.weight, torch.zeros(2, 2))
+    assert seen == {id(layer.weight)} and torch.equal(layer.weight, torch.zeros(2, 2))
+    assert layer.weight.weight_loader is own
+
+
 def test_a_target_is_handed_to_its_draft_under_a_deployment_object_even_one_without_weak_references():
     class Referable:
         pass

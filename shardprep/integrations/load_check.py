@@ -71,13 +71,17 @@ def tracked_loading(model: nn.Module, default_loader: Callable[..., Any] | None)
         yield None
         return
     seen: set[int] = set()
-    restore: list[tuple[Any, Any]] = []
+    restore: list[tuple[Any, str, Any]] = []
     missing: Any = object()
     for param in model.parameters():
         held: Any = param  # a server's parameters carry attributes of their own (`weight_loader`)
-        original = getattr(held, "weight_loader", missing)
-        held.weight_loader = _Tracked(default_loader if original is missing or original is None else original, seen)
-        restore.append((held, original))
+        # Most keep it as a plain attribute; SGLang's quantized parameter classes behind a read-only property over
+        # `_weight_loader` (their BasevLLMParameter's), where it is replaced instead.
+        where = "_weight_loader" if _read_only(type(held), "weight_loader") else "weight_loader"
+        original = getattr(held, where, missing)
+        loader = getattr(held, "weight_loader", missing)
+        setattr(held, where, _Tracked(default_loader if loader is missing or loader is None else loader, seen))
+        restore.append((held, where, original))
     # The model's own load_weights too: a server's loader may drop its answer (SGLang's DefaultModelLoader does).
     inner = [module for module in model.modules() if "load_weights" not in module.__dict__
              and callable(getattr(type(module), "load_weights", None))]
@@ -88,11 +92,11 @@ def tracked_loading(model: nn.Module, default_loader: Callable[..., Any] | None)
     finally:
         for module in inner:
             del module.__dict__["load_weights"]
-        for param, original in restore:
+        for held, where, original in restore:
             if original is missing:
-                del param.weight_loader
+                delattr(held, where)
             else:
-                param.weight_loader = original
+                setattr(held, where, original)
 
 
 def _reporting(module: nn.Module, seen: set[int]) -> Callable[..., Any]:
@@ -107,6 +111,12 @@ def _reporting(module: nn.Module, seen: set[int]) -> Callable[..., Any]:
         return loaded
 
     return load_weights
+
+
+def _read_only(cls: type, name: str) -> bool:
+    """Whether `cls` has `name` as a property without a setter."""
+    found = getattr(cls, name, None)
+    return isinstance(found, property) and found.fset is None
 
 
 def check_all_loaded(model: nn.Module, loaded: Iterable[str] | None, directory: str | Path,
