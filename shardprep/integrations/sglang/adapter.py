@@ -573,13 +573,19 @@ class SglangAdapter(ServerAdapter):
         return default_weight_loader
 
     def defaulted_parameters(self, model: nn.Module) -> set[str]:
-        """A NextN draft's embedding and LM head: SGLang's NextN `load_weights` skips the checkpoint's
+        """The parameters SGLang marks `_skip_weight_check` (its own weight checker's rule: an attention layer's
+        KV-cache scales, which `BaseKVCacheMethod` creates at -1 and replaces by 1.0 when no checkpoint has them),
+        and a NextN draft's embedding and LM head: SGLang's NextN `load_weights` skips the checkpoint's
         (`embed_tokens`, `shared_head.head`), and its EAGLE worker gives the draft the target's after loading
-        (`set_embed_and_head`)."""
-        if nextn_layer(self.model_config) is None:
-            return set()
-        return {name for name, _ in model.named_parameters()
-                if name in ("model.embed_tokens.weight", "lm_head.weight")}
+        (`set_embed_and_head`).
+
+        >>> check_all_loaded(model, None, "out/", also=adapter.defaulted_parameters(model), seen=seen)  # doctest: +SKIP
+        """
+        names = {name for name, param in model.named_parameters() if getattr(param, "_skip_weight_check", False)}
+        if nextn_layer(self.model_config) is not None:
+            names |= {name for name, _ in model.named_parameters()
+                      if name in ("model.embed_tokens.weight", "lm_head.weight")}
+        return names
 
     def copy_draft_weights_at_load(self, model: nn.Module) -> None:
         """SGLang 0.5.23's DFlash worker projects the target's hidden states to every draft layer's K/V before the
