@@ -2,8 +2,8 @@
 `tp_size=2, dp_size=2, enable_dp_attention=True`: attention TP 1, two DP ranks, one shard group of two): the
 tokens of full mode, bit for bit, under an uneven load; each rank logs its startup line, before SGLang sizes its
 KV pool, and builds its targets' weights without storage. (That full mode under DP attention gives SGLang's own
-loader's tokens from the source is checked on DeepSeek-V3, bf16 in test_sglang_mla.py and block FP8 in
-test_sglang_fp8.py, not again here: an engine costs a minute of CI.)
+loader's tokens from the source is checked on DeepSeek-V3 in block FP8, test_sglang_fp8.py, not again here: an
+engine costs a minute of CI.)
 
 The load is uneven: three requests asking for 8, 2 and 6 tokens over two DP ranks, so one rank is done first
 and runs SGLang's IDLE batches while the other decodes. Its gathers must pair with the busy rank's (gloo
