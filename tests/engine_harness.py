@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,20 +40,40 @@ def record_engine_times(output: str, workdir: Path) -> None:
 def run_per_rank(script: Path, plans: list[dict[str, Any]], root: Path, env: dict[str, str],
                  timeout: float = 1500) -> list[dict[str, Any]]:
     """Run `script PLAN.json RESULTS.json` once per DP rank, all at once (they meet in a process group), each with its
-    plan; every rank's results, or an assertion error showing the end of the failed rank's log (rankR.log in `root`)."""
+    plan; every rank's results, or an assertion error showing the end of the failed rank's log (rankR.log in `root`).
+
+    A rank that fails stops the others within seconds: its peers would otherwise wait in a collective until
+    `timeout`.
+    """
+    from spawn_group import exit_description
+
     procs = []
     for rank, plan in enumerate(plans):
         (root / f"plan{rank}.json").write_text(json.dumps(plan))
-        log = open(root / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(script), str(root / f"plan{rank}.json"),
-                                        str(root / f"results{rank}.json")], stdout=log, stderr=subprocess.STDOUT,
-                                       env=env), log))
-    for proc, log in procs:
-        proc.wait(timeout=timeout)
-        log.close()
+        with open(root / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(script), str(root / f"plan{rank}.json"),
+                                           str(root / f"results{rank}.json")], stdout=log, stderr=subprocess.STDOUT,
+                                          env=env))
+    deadline = time.monotonic() + timeout
+    failed = None
+    while failed is None and any(p.poll() is None for p in procs):
+        failed = next((r for r, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+        if time.monotonic() > deadline:
+            failed = -1
+        time.sleep(0.5)
+    failed = failed if failed is not None else next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    if failed == -1:
+        raise AssertionError(f"the ranks did not finish within {timeout} s (logs: {root}/rank*.log)")
+    if failed is not None:
+        text = (root / f"rank{failed}.log").read_text()
+        raise AssertionError(f"rank {failed} failed ({exit_description(procs[failed].returncode)}):\n{text[-6000:]}")
     results = []
-    for rank, (proc, _) in enumerate(procs):
+    for rank in range(len(procs)):
         text = (root / f"rank{rank}.log").read_text()
-        assert proc.returncode == 0 and (root / f"results{rank}.json").exists(), text[-6000:]
+        assert (root / f"results{rank}.json").exists(), text[-6000:]
         results.append(json.loads((root / f"results{rank}.json").read_text()))
     return results
