@@ -364,13 +364,13 @@ def graphed(pipes, steps, device):
                 ev[1].record()
             p.sample()
             if schedule == "resident":
-                marker.record(p.g.draft_stream)
+                marker.record(p.g.streams.draft)
                 compute.wait_event(marker)  # the draft's phase starts with G(D) complete
             if ev:
                 ev[2].record()
             if schedule == "inline":
                 marker.record(compute)
-                p.g.draft_stream.wait_event(marker)  # G(D) starts only when the draft's phase does
+                p.g.streams.draft.wait_event(marker)  # G(D) starts only when the draft's phase does
                 p.g.prefetch_draft(replayed=True)
             draft.replay()
             if ev:

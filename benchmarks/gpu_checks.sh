@@ -3,6 +3,8 @@
 #   bash benchmarks/gpu_checks.sh checks   # every test marked gpu (requant/convert CPU==CUDA, runtime, run on cuda)
 #   bash benchmarks/gpu_checks.sh bench    # bench_gather.py and bench_load.py
 #   bash benchmarks/gpu_checks.sh plan     # bench_plan.py, then tests/test_gpu_plan.py (profile + plan via the CLI)
+#   bash benchmarks/gpu_checks.sh all     # one GPU, one call (< 10 min): every gpu test one GPU can run, each with a
+#                                         # timeout that fails it, then bench_draft_prefetch.py (3 invocations); a summary
 #   bash benchmarks/gpu_checks.sh one-gpu        # every gpu test one GPU can run (the others skip)
 #   bash benchmarks/gpu_checks.sh one-gpu-bench  # bench_binding.py and bench_load.py --steps at one rank, 3 times each
 #   bash benchmarks/gpu_checks.sh draft-prefetch  # one GPU: every gpu test, then bench_draft_prefetch.py (3 invocations)
@@ -68,6 +70,25 @@ checks)
   echo "gpu tests rc=$?" >>"$OUT/gpu_tests.log"
   tar -C /tmp -cf "$OUT/gpu_test_results.tar" results 2>/dev/null
   tail -n 30 "$OUT/checks.log"; tail -n 40 "$OUT/gpu_tests.log"
+  ;;
+all)  # env: TEST_TIMEOUT (the whole test run), PER_TEST (one test, unless its module sets more), BENCH_TIMEOUT
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+  versions=$(python3 -c "import torch;print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'NCCL', '.'.join(map(str, torch.cuda.nccl.version())))")
+  t=$SECONDS
+  # timeout_method=signal: a stalled test fails and the run goes on (the default, thread, ends the whole run).
+  SHARDPREP_TEST_RESULTS_DIR=/tmp/results timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q -rfEs -p no:cacheprovider \
+    -m gpu --timeout "${PER_TEST:-180}" -o timeout_method=signal tests/ >"$OUT/gpu_tests.log" 2>&1
+  tests_rc=$? tests_s=$((SECONDS - t))
+  t=$SECONDS
+  timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_draft_prefetch.py --out "$OUT/bench_draft_prefetch.json" \
+    --timeout 200 >"$OUT/bench_draft_prefetch.log" 2>&1
+  bench_rc=$? bench_s=$((SECONDS - t))
+  grep -E "FAILED|ERROR|Timeout" "$OUT/gpu_tests.log" | tail -n 20
+  tail -n 24 "$OUT/bench_draft_prefetch.log"
+  tests_line=$(grep -E "(passed|failed|error).* in [0-9.]+s" "$OUT/gpu_tests.log" | tail -n 1)
+  verdict=PASS; if [ "$tests_rc" != 0 ] || [ "$bench_rc" != 0 ]; then verdict=FAIL; fi
+  echo "SUMMARY $verdict on $card ($versions): gpu tests rc=$tests_rc in ${tests_s} s: ${tests_line:-no pytest summary}; bench_draft_prefetch rc=$bench_rc in ${bench_s} s" | tee "$OUT/summary.txt"
+  [ "$verdict" = PASS ]
   ;;
 one-gpu)
   { nvidia-smi -L

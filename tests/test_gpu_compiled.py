@@ -22,7 +22,7 @@ from test_compiled_binding import _exact_model
 
 from shardprep.prep.convert import convert
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
 def _ranks() -> int:

@@ -25,7 +25,7 @@ from test_gatherer import _error
 
 from shardprep.prep.convert import convert
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 SLEEP_CYCLES = 5_000_000  # a few ms of target layer D−2 before it reads its slot
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -40,7 +40,7 @@ def gpu_runs(checkpoint_cache, tmp_path_factory):
     src = checkpoint_cache("llama", layers=6, hidden=1024, tokenizer=False)
     out = tmp_path_factory.mktemp("gpu-draft") / "out"
     convert(src, out, _ranks(), preset="llama")
-    results = run_ranks(_suite, _ranks(), str(out), backend="nccl", env=ENV, timeout=500)
+    results = run_ranks(_suite, _ranks(), str(out), backend="nccl", env=ENV, timeout=240)
     return results
 
 
@@ -135,7 +135,10 @@ def _scenario(shards, mode: str) -> dict:
     with torch.cuda.graph(again, capture_error_mode="thread_local"):
         f.draft_again()
     if mode == "control":
-        g._handoff = torch.cuda.Event(external=True)  # the prefetch no longer waits for the target's layer D−2
+        # The prefetch no longer waits for the target's layer D−2: it waits on a new handoff event, never recorded
+        # in the target's graph. The graph still records the old one, which must stay alive (gather_streams.py):
+        # before it was kept, this replacement destroyed it and the next replay died of SIGSEGV on an H100.
+        g.streams = replace(g.streams, handoff=torch.cuda.Event(external=True))
     result: dict = {"prefetched_at_capture": prefetched_at_capture, "replays": [], "by_prefetch": []}
     for step in range(3):
         f.wipe()

@@ -23,7 +23,7 @@ from shardprep.planning.profile_format import load_profile
 from shardprep.prep.convert import convert
 from shardprep.prep.export import export
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

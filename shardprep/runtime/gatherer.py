@@ -112,6 +112,7 @@ from . import zero_copy as zc
 from .alignment import AlignmentCheck
 from .backends import GatherBackend, make_backend
 from .backends.base import Tags, all_ranks_agree, collective_device, group_and_rank, log
+from .gather_streams import GatherStreams
 from .views import layer_views
 
 
@@ -266,28 +267,7 @@ class LayerGatherer:
                           for i, (r, out) in enumerate(zip(records, outs)))
         self._labels = tuple(f"shardprep::gather layer {layer}" for layer in self.layers)
         if self._cuda:
-            # gather_stream: every gather of a forward except a prefetched first one, and the tag ops.
-            # first_stream: prefetch_first()'s gather, issued before begin() (e.g. while sampling).
-            self.gather_stream = torch.cuda.Stream(self.device)
-            self.first_stream = torch.cuda.Stream(self.device)
-            # draft_stream: prefetch_draft()'s gather of the draft's first layer, off the target's CUDA graph.
-            self.draft_stream = torch.cuda.Stream(self.device)
-            # forked: on the compute stream when a slot has no trustworthy done event: all work so far.
-            # counted: on the gather stream after a forward's tag count was bumped (and the previous check).
-            # first_gathered: on the first stream after a prefetched first gather.
-            self._forked = torch.cuda.Event()
-            self._counted = torch.cuda.Event()
-            self._first_gathered = torch.cuda.Event()
-            # checked: on the gather stream after the tag check (joins it back into a captured graph).
-            self._checked = torch.cuda.Event()
-            # External events (a record / wait node when captured), so eager work and separate graphs can use them:
-            # handoff: on the compute stream at wait(D−1) of a detached forward: G(D)'s slot is free, G(D−1) in.
-            # draft_gathered: after every G(D) issued outside a capture (prefetch, inline or eager schedule).
-            self._handoff = torch.cuda.Event(external=True)
-            self._draft_gathered = torch.cuda.Event(external=True)
-            # Recorded once now: a wait inside a capture on an event never recorded would capture no node at all.
-            self._handoff.record(torch.cuda.current_stream(self.device))
-            self._draft_gathered.record(self.draft_stream)
+            self.streams = GatherStreams.on(self.device)
             torch.cuda.synchronize(self.device)  # buffers set up on the compute stream are used on the others
         self._alignment = AlignmentCheck(group, timeout) if debug_alignment else None
 
@@ -321,7 +301,7 @@ class LayerGatherer:
         if i == self._draft_at:
             self._enter_draft()  # the draft's first layer: its gather waited for (or issued inline), then G(D+1)
         elif self._next_issue == i + 1 < self._issue_limit:
-            self._issue(i + 1, self.gather_stream if self._cuda else None)
+            self._issue(i + 1, self.streams.gather if self._cuda else None)
         slot = self._slots[i % self.num_slots]
         if slot.work is not None:  # CPU backends: block until the bytes are in the slot
             self._wait_work(slot, layer)
@@ -352,7 +332,7 @@ class LayerGatherer:
             if i + 1 == self._n:
                 self._phase = Phase.IDLE
             elif self._next_issue == i + self.num_slots < self._issue_limit:  # the slot is free: refill it now
-                self._issue(i + self.num_slots, self.gather_stream if self._cuda else None)
+                self._issue(i + self.num_slots, self.streams.gather if self._cuda else None)
             if i + 1 == self._draft_at and self._cuda and not self._detached:
                 self._join_if_captured()
 
@@ -370,7 +350,7 @@ class LayerGatherer:
         if j == self._draft_at:
             self._draft_in_graph = self._cuda and torch.cuda.is_current_stream_capturing()
             if self._cuda and not self._draft_in_graph:
-                self._draft_gathered.record(stream)  # what the draft's first wait, and the next begin(), wait on
+                self.streams.draft_gathered.record(stream)  # what the draft's first wait, and the next begin(), wait on
 
     def _protect(self, slot: Slot, stream: torch.cuda.Stream | None) -> None:
         assert stream is not None, "CUDA gathers run on a stream"
@@ -379,8 +359,8 @@ class LayerGatherer:
             stream.wait_event(slot.done)
         elif slot.state is SlotState.READ:
             # No done() for its last reader: protect the slot from all work queued on the compute stream so far.
-            self._forked.record(torch.cuda.current_stream(self.device))
-            stream.wait_event(self._forked)
+            self.streams.forked.record(torch.cuda.current_stream(self.device))
+            stream.wait_event(self.streams.forked)
         elif slot.state is SlotState.GATHERING:
             # Never read (an abandoned forward): its gather, maybe on another stream, must finish writing first.
             stream.wait_event(slot.gathered)
@@ -519,7 +499,7 @@ class LayerGatherer:
                                         "layer is waited for again there")
             if not self._draft_in_graph:
                 # Protects the layer's bytes in this graph: G(D), prefetched outside it, is done before the pass reads.
-                torch.cuda.current_stream(self.device).wait_event(self._draft_gathered)
+                torch.cuda.current_stream(self.device).wait_event(self.streams.draft_gathered)
         return self._views[i]
 
     def _issue_draft_first(self, after_replay: bool) -> None:
@@ -530,12 +510,12 @@ class LayerGatherer:
             if self._last_captured and not after_replay:
                 # Right after the target's capture nothing of its graph has run, so its handoff was never recorded:
                 # protect the slot from the eager work queued so far instead (warm-up forwards still reading it).
-                self._forked.record(torch.cuda.current_stream(self.device))
-                self.draft_stream.wait_event(self._forked)
+                self.streams.forked.record(torch.cuda.current_stream(self.device))
+                self.streams.draft.wait_event(self.streams.forked)
             # Protects G(D)'s slot: its last reader, target layer D−2 (inside the target's graph, whose done event
             # this stream cannot wait on), has computed, and G(D−1) is in (the communicator's order, the tag count).
-            self.draft_stream.wait_event(self._handoff)
-        self._issue(d, self.draft_stream if self._cuda else None, protect=False)
+            self.streams.draft.wait_event(self.streams.handoff)
+        self._issue(d, self.streams.draft if self._cuda else None, protect=False)
 
     def _after_replay(self) -> None:
         """The host's state as a replay of the captured target forward leaves it: its forward, at the draft."""
@@ -574,19 +554,19 @@ class LayerGatherer:
             self._forget_done_events_across_capture()  # the draft may run in a graph of its own, or eagerly
         self._issue_limit = self._n
         if self._next_issue == d:  # a cold start, or no prefetch_draft(): inline, waited for in full just below
-            self._issue(d, self.gather_stream if self._cuda else None)
+            self._issue(d, self.streams.gather if self._cuda else None)
         if self._cuda and not self._draft_in_graph:
             # Protects the draft's first layer's bytes: G(D) ran outside any graph (the draft stream, or the gather
             # stream), recorded `draft_gathered`; in a capture this is an external wait node (each replay's prefetch).
             # Issued inside the target's graph instead, that graph ended waiting for it (done(D−1)).
-            torch.cuda.current_stream(self.device).wait_event(self._draft_gathered)
+            torch.cuda.current_stream(self.device).wait_event(self.streams.draft_gathered)
         if self._next_issue == d + 1 < self._n:
             if self._cuda:
                 # Orders G(D+1) after G(D), which the compute stream has just waited for (on the draft stream, maybe):
                 # the communicator pairs collectives by their order, and in a capture this brings the gather stream in.
-                self._forked.record(torch.cuda.current_stream(self.device))
-                self.gather_stream.wait_event(self._forked)
-            self._issue(d + 1, self.gather_stream if self._cuda else None)
+                self.streams.forked.record(torch.cuda.current_stream(self.device))
+                self.streams.gather.wait_event(self.streams.forked)
+            self._issue(d + 1, self.streams.gather if self._cuda else None)
 
     def _end_part(self, stop: int) -> None:
         """The target's part (stop = D, a detached forward) or the forward (stop = n) has been waited on."""
@@ -595,7 +575,7 @@ class LayerGatherer:
                 return
             if self._cuda:
                 # Marks when G(D) may start: G(D−1) is in and layer D−2 (G(D)'s slot's last reader) has computed.
-                self._handoff.record(torch.cuda.current_stream(self.device))
+                self.streams.handoff.record(torch.cuda.current_stream(self.device))
             self._check_tags(0, stop)  # inside the target's graph, which its draft's may not follow
         else:
             self._check_tags(self._draft_at if self._detached and self._draft_at is not None else 0, stop)
@@ -604,14 +584,14 @@ class LayerGatherer:
         if torch.cuda.is_current_stream_capturing():
             # A captured target forward that issued G(D) inside its graph (draft_first="in_target") ends here: its
             # graph ends once G(D) is complete, so a draft launched after it reads G(D) in stream order.
-            self._checked.record(self.gather_stream)
-            torch.cuda.current_stream(self.device).wait_event(self._checked)
+            self.streams.checked.record(self.streams.gather)
+            torch.cuda.current_stream(self.device).wait_event(self.streams.checked)
 
     def _wait_for_draft_first(self) -> None:
         if self._cuda and self._draft_at is not None:
             # Protects G(D)'s slot and communicator: a G(D) issued outside a graph and never waited on (a skipped
             # draft step) completes before this forward's gathers, which may reuse both.
-            torch.cuda.current_stream(self.device).wait_event(self._draft_gathered)
+            torch.cuda.current_stream(self.device).wait_event(self.streams.draft_gathered)
 
     def _start_forward(self, prefetch: bool) -> None:
         self._forward += 1
@@ -630,22 +610,22 @@ class LayerGatherer:
         stream = None
         if self._cuda:
             self._forget_done_events_across_capture()
-            stream = self.first_stream if prefetch else self.gather_stream
+            stream = self.streams.first if prefetch else self.streams.gather
         if self._tags is not None:
             if capturing:
                 # Brings the gather stream into the capture before its first op, the count below, which every replay
                 # must run too (inside `torch.cuda.stream(gather_stream)` the current stream is not the capturing one).
-                self._forked.record(torch.cuda.current_stream(self.device))
-                self.gather_stream.wait_event(self._forked)
-            with torch.cuda.stream(self.gather_stream) if self._cuda else _NOT_TRACED:
+                self.streams.forked.record(torch.cuda.current_stream(self.device))
+                self.streams.gather.wait_event(self.streams.forked)
+            with torch.cuda.stream(self.streams.gather) if self._cuda else _NOT_TRACED:
                 self._tag_forward.add_(1)  # after the previous forward's check, on the same stream
             if prefetch and self._cuda:
-                self._counted.record(self.gather_stream)
+                self.streams.counted.record(self.streams.gather)
                 # Orders the first gather's tag after this count (and the previous forward's check).
-                self.first_stream.wait_event(self._counted)
+                self.streams.first.wait_event(self.streams.counted)
         self._issue(0, stream)
         if prefetch and self._cuda:
-            self._first_gathered.record(self.first_stream)
+            self.streams.first_gathered.record(self.streams.first)
 
     # -- alignment tags ---------------------------------------------------------------------------
     def _allocate_tags(self, n: int, world_size: int) -> list[Tags]:
@@ -678,12 +658,12 @@ class LayerGatherer:
         if self._cuda and self._draft_at is not None and stop > self._draft_at:
             # The draft's tags come with gathers on other streams (the draft stream, maybe outside this graph), each
             # waited for by the compute stream already: the check follows the compute stream.
-            self._forked.record(torch.cuda.current_stream(self.device))
-            self.gather_stream.wait_event(self._forked)
-        with torch.cuda.stream(self.gather_stream) if self._cuda else _NOT_TRACED:
+            self.streams.forked.record(torch.cuda.current_stream(self.device))
+            self.streams.gather.wait_event(self.streams.forked)
+        with torch.cuda.stream(self.streams.gather) if self._cuda else _NOT_TRACED:
             if self._cuda and start == 0 and self._first_prefetched:
                 # The tags of a prefetched first gather are written on the first stream: wait for them.
-                self.gather_stream.wait_event(self._first_gathered)
+                self.streams.gather.wait_event(self.streams.first_gathered)
             got, expected, diff = self._tag_got[start:stop], self._tag_expected[start:stop], self._tag_diff[start:stop]
             torch.ne(got, expected, out=diff)
             torch.any(diff, out=self._tag_any)
@@ -692,8 +672,8 @@ class LayerGatherer:
                 self._tag_bad_host.copy_(self._tag_bad, non_blocking=True)
         if self._cuda and torch.cuda.is_current_stream_capturing():
             # A capture must end with every stream it forked joined back: the compute stream waits for the check.
-            self._checked.record(self.gather_stream)
-            torch.cuda.current_stream(self.device).wait_event(self._checked)
+            self.streams.checked.record(self.streams.gather)
+            torch.cuda.current_stream(self.device).wait_event(self.streams.checked)
 
     def check_alignment(self) -> None:
         """Raise if a forward that has run on the device found the ranks' gathers misaligned.
