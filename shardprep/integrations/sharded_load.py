@@ -262,7 +262,7 @@ def startup_line(binding: Binding, directory: str | Path, processed: ProcessedLa
 
     DP rank and size, the layers bound, the gather backend, the resident target bytes (its chunks,
     R/N, plus the slots, 2·max|T|) against R, all read from the buffers themselves, and the rank's
-    shard group (its DP ranks read back from the gatherer's process group) and rank file (docs/serving.md).
+    shard group (its DP ranks read back from the gatherer's process group) and rank file (docs/serving/deployment.md).
     With quantized targets processed at load, the bytes are the processed ones (R', |T'|), and the line says
     how many modules were processed and what the rank file held. `built`: how many target weights were built
     without storage.

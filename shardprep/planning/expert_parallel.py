@@ -136,5 +136,5 @@ def check_tensor_parallel(tp: int) -> None:
         raise ShardprepError(f"--tp must be >= 1, got {tp}")
     if tp > 1:
         raise ShardprepError(f"--tp {tp}: sharded mode serves DP attention at TP = 1 (each DP rank computes its whole "
-                             "layer, docs/serving.md), so the targets of a TP deployment are not replicated and there "
-                             "is nothing to shard; give the DP ranks as --dp and the expert split as --ep")
+                             "layer, docs/serving/index.md), so the targets of a TP deployment are not replicated and "
+                             "there is nothing to shard; give the DP ranks as --dp and the expert split as --ep")

@@ -3,7 +3,7 @@
 A quantized target's module has tensors beside the weight the preset takes: block FP8's `weight_scale_inv`,
 compressed-tensors' `weight_scale` and `weight_shape`. They stay in the replicated part (docs/format.md); vLLM's
 sharded mode processes each quantized layer at load and gathers weight and scales together
-(docs/serving.md, "Quantized targets"), so per layer it gathers |T| plus those scales. `quantized_scales`
+(docs/serving/models.md, "Quantized targets"), so per layer it gathers |T| plus those scales. `quantized_scales`
 finds them from the replicated files' headers (no tensor data is read).
 """
 

@@ -19,7 +19,7 @@ Why no compiler pass can move a read of layer ℓ's weights outside [layer_begin
 
 vLLM's piecewise compilation cuts its graph at both ops (`SPLITTING_OPS`, as at attention) and runs
 them eagerly between the compiled pieces; inside a full CUDA graph they are captured with their
-gathers. docs/serving.md ("Compiled serving") has the whole argument.
+gathers. docs/serving/index.md ("Compiled serving") has the whole argument.
 """
 
 from __future__ import annotations

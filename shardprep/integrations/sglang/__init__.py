@@ -7,7 +7,7 @@ import SGLang.
     sgl.Engine(model_path="out/", load_format="shardprep")                          # full mode
     python -m sglang.launch_server --model-path out/ --load-format shardprep        # the same, served
 
-See docs/serving.md.
+See docs/serving/sglang.md.
 """
 
 from __future__ import annotations

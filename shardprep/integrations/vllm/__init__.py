@@ -7,7 +7,7 @@ calls `register()` in every vLLM process. Importing this package does not import
     LLM(model="out/", load_format="shardprep", enforce_eager=True,
         model_loader_extra_config={"shard_weights": True})                       # sharded mode, DP = N
 
-See docs/serving.md.
+See docs/serving/vllm.md.
 """
 
 from __future__ import annotations
