@@ -352,7 +352,7 @@ class SglangAdapter(ServerAdapter):
         if layer is not None:
             name = nextn_manifest_name(name, layer)
         name = _renamed(name, ((sglangs, ours) for ours, sglangs in MODEL_NAMES.items()))
-        mapper = self.mapper
+        mapper = self._mapper
         if mapper is None:
             return name
         for ours, sglangs in mapper.orig_to_new_prefix.items():
@@ -366,7 +366,7 @@ class SglangAdapter(ServerAdapter):
         return name
 
     @functools.cached_property
-    def mapper(self) -> Any:
+    def _mapper(self) -> Any:
         """The `hf_to_sglang_mapper` of the model class SGLang builds for `model_config` (None: it renames nothing),
         looked up when first asked for."""
         if self.model_config is None:
