@@ -39,8 +39,8 @@ class ShardprepModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
         self.options = ShardprepLoadOptions.from_extra_config(load_config.model_loader_extra_config)
-        # Sharded mode's: the adapter of the configs `create_model` was given (a draft's hand-over is found under
-        # their speculative config); the layout and the logger need none.
+        # Sharded mode's `create_model` replaces it with one over the configs it is given (the hand-over to a draft
+        # goes under their speculative config); the layout and the logger need no config.
         self.adapter = VllmAdapter()
         self.target: ShardedLoad | None = None  # sharded mode, the target model
         self.draft: DraftLoad | None = None  # sharded mode, vLLM's draft model
@@ -76,9 +76,10 @@ class ShardprepModelLoader(BaseModelLoader):
             if not layout.eager:
                 cpu_workarounds.trace_moe_as_one_op(model)
         if not self.options.shard_weights:
-            full = VllmAdapter(get_current_vllm_config(), model_config)
-            if full.loads_draft():
-                full.refuse_published_draft(model_config.model, sharded=False)
+            if VllmAdapter(model_config=model_config).loads_draft():
+                # vLLM's current config is read for a draft only, as the target's full load needs none.
+                draft = VllmAdapter(get_current_vllm_config(), model_config)
+                draft.refuse_published_draft(model_config.model, sharded=False)
             load_full(model, model_config.model, self.options.verify, self.adapter)
         elif self.draft is not None:
             self.draft.load(model)
