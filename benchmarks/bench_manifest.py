@@ -49,7 +49,7 @@ from shardprep.manifests.checksums import digest
 from shardprep.manifests.layout import FusedGroup, TensorSpec, plan_layer
 from shardprep.manifests.manifest import REPLICATED_INDEX, FileRecord, LayerRecord, Manifest
 from shardprep.manifests.rank_file import plan_rank_file, rank_file_name
-from shardprep.prep.writer import write_manifest
+from shardprep.prep.output.writer import write_manifest
 
 def write(out, layers, targets, ranks, hidden, inter, prefix):
     experts = (targets - 4) // 3

@@ -133,7 +133,7 @@ def test_previous_output_is_refused_then_replaced_with_overwrite(checkpoint_cach
 
 
 def test_interrupted_convert_leaves_nothing_that_validates(checkpoint_cache, tmp_path, monkeypatch):
-    import shardprep.prep.writer as writer_module
+    import shardprep.prep.output.writer as writer_module
 
     src = checkpoint_cache("llama", sharded=True)
     out = tmp_path / "out"
@@ -149,7 +149,7 @@ def test_interrupted_convert_leaves_nothing_that_validates(checkpoint_cache, tmp
 
 
 def test_interrupted_overwrite_keeps_previous_output(checkpoint_cache, tmp_path, monkeypatch):
-    import shardprep.prep.writer as writer_module
+    import shardprep.prep.output.writer as writer_module
 
     src = checkpoint_cache("llama")
     out = tmp_path / "out"

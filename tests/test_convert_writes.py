@@ -14,13 +14,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import shardprep.prep.file_ranges as file_ranges
-import shardprep.prep.safetensors_writer as safetensors_writer
-import shardprep.prep.writeback as writeback_module
+import shardprep.prep.output.file_ranges as file_ranges
+import shardprep.prep.output.safetensors_writer as safetensors_writer
+import shardprep.prep.output.writeback as writeback_module
 from shardprep.errors import OutputError
 from shardprep.manifests.checksums import file_digest, file_hasher
 from shardprep.prep.convert import convert
-from shardprep.prep.safetensors_writer import FileRange, OutTensor, write_safetensors
+from shardprep.prep.output.safetensors_writer import FileRange, OutTensor, write_safetensors
 from shardprep.prep.source import open_source
 from shardprep.prep.validate import validate
 

@@ -22,15 +22,15 @@ from typer.testing import CliRunner
 
 import shardprep
 import shardprep.prep.export as export_module
-import shardprep.prep.output_dir as output_dir
+import shardprep.prep.output.output_dir as output_dir
 from shardprep.cli import app
 from shardprep.manifests.manifest import MANIFEST_NAME, load_manifest
 from shardprep.manifests.replicated import NOTICE_FILE, NOTICE_TENSOR, SHARDED_SENTINEL
 from shardprep.manifests.swap_lock import SWAP_LOCK_SUFFIX
 from shardprep.prep.convert import convert
 from shardprep.prep.export import export, target_file_name
-from shardprep.prep.output_dir import EXPORT_RECORD, is_staging_dir
-from shardprep.prep.reshard_input import open_reshard_input
+from shardprep.prep.output.opened_output import open_output
+from shardprep.prep.output.output_dir import EXPORT_RECORD, is_staging_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -224,7 +224,7 @@ def test_free_space_is_checked_before_writing(out8, tmp_path, monkeypatch):
 
 
 def test_needed_bytes_cover_what_export_writes(out8, tmp_path):
-    source = open_reshard_input(out8)
+    source = open_output(out8, purpose="exported")
     plan = export_module.plan_export(source)
     plain = tmp_path / "plain"
     copy = export_module._output_bytes(plan, source, plain, export_module.CopyMode.COPY)

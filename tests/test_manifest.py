@@ -117,7 +117,7 @@ def test_fused_view_must_cover_members_contiguously():
 def test_a_manifest_read_again_is_the_same_and_any_changed_byte_is_checked_again(tmp_path, monkeypatch):
     from shardprep.manifests import load_manifest
     from shardprep.manifests import manifest as manifest_module
-    from shardprep.prep.writer import write_manifest
+    from shardprep.prep.output.writer import write_manifest
 
     write_manifest(tmp_path, Manifest.from_dict(small_manifest()))
     first = load_manifest(tmp_path)

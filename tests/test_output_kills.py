@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import shardprep.prep.output_dir as output_dir
+import shardprep.prep.output.output_dir as output_dir
 from shardprep.cli import app
 from shardprep.prep.convert import convert
-from shardprep.prep.output_dir import is_staging_dir
+from shardprep.prep.output.output_dir import is_staging_dir
 from shardprep.prep.validate import validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ STEPS = ("open", "mkdir", "rename", "replace", "unlink", "rmdir", "link", "pwrit
 # Imports first, then wait: the kill lands in the convert, not in the interpreter's startup.
 DRIVER = """
 import pathlib, sys, time
-import shardprep.prep.convert, shardprep.prep.writer as writer
+import shardprep.prep.convert, shardprep.prep.output.writer as writer
 from shardprep.cli import app
 ready, go, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 if go == "-":
@@ -99,8 +99,8 @@ class KillingConverter:
 
 FORKER = """
 import json, os, signal, sys, traceback
-import shardprep.prep.output_dir as output_dir
-import shardprep.prep.writeback as writeback
+import shardprep.prep.output.output_dir as output_dir
+import shardprep.prep.output.writeback as writeback
 from shardprep.prep.convert import convert
 # No background writeback thread: the requests it drops at the end vary from run to run, and so would the
 # number of calls, and what call step k is.

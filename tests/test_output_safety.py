@@ -17,14 +17,14 @@ import pytest
 from test_hub_source import make_hub_cache
 from typer.testing import CliRunner
 
-import shardprep.prep.output_dir as output_dir
-import shardprep.prep.safetensors_writer as safetensors_writer
-import shardprep.prep.writer as writer
+import shardprep.prep.output.output_dir as output_dir
+import shardprep.prep.output.safetensors_writer as safetensors_writer
+import shardprep.prep.output.writer as writer
 from shardprep.cli import app
 from shardprep.errors import OutputError, SourceError
 from shardprep.prep.convert import convert
 from shardprep.prep.convert_plan import make_plan
-from shardprep.prep.output_dir import is_staging_dir, output_outcome, staged_output
+from shardprep.prep.output.output_dir import is_staging_dir, output_outcome, staged_output
 from shardprep.prep.selection import Selection, load_preset
 from shardprep.prep.source import open_source
 from shardprep.prep.validate import validate

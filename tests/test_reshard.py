@@ -16,15 +16,16 @@ from test_output_kills import wait_for
 from typer.testing import CliRunner
 
 import shardprep
-import shardprep.prep.output_dir as output_dir
+import shardprep.prep.output.output_dir as output_dir
 import shardprep.prep.reshard as reshard_module
 from shardprep.cli import app
 from shardprep.errors import ManifestError
 from shardprep.manifests.layout import Entry
 from shardprep.manifests.manifest import MANIFEST_NAME, load_manifest
-from shardprep.prep.convert import CopyMode, convert
-from shardprep.prep.output_dir import is_staging_dir
-from shardprep.prep.reshard_input import open_reshard_input
+from shardprep.prep.convert import convert
+from shardprep.prep.output.opened_output import open_output
+from shardprep.prep.output.output_dir import is_staging_dir
+from shardprep.prep.output.writer import CopyMode
 from shardprep.prep.reshard_plan import plan_reshard
 from shardprep.prep.validate import validate
 
@@ -260,7 +261,7 @@ def test_free_space_is_checked_before_writing(out8, tmp_path, monkeypatch):
 
 
 def test_needed_bytes_cover_what_reshard_writes_and_hard_links_cost_nothing(out8, tmp_path):
-    source = open_reshard_input(out8)
+    source = open_output(out8, purpose="resharded")
     plan = plan_reshard(source.manifest, 3)
     new = tmp_path / "new"
     copy = reshard_module._output_bytes(plan, source, new, CopyMode.COPY)

@@ -3,7 +3,8 @@ that is not installed: `fake_server.FakeServer`, a `ServerAdapter` over a transf
 
 What every server's sharded mode does, proved once here: refusals in the server's own option names, the flow's
 order (refusals before anything is read), the binding giving the source's logits, no silent weights whatever
-`load_weights` reports, and the seam's own rules (shared modules name no server; no signature past 8 parameters).
+`load_weights` reports, and the seam's own rules (shared modules name no server; no signature past 8 parameters; a
+model loader asks its server only through its adapter's `ServerAdapter` methods, which hold their logic).
 The servers' adapters run inside vLLM and SGLang in tests/vllm_engines/ and tests/sglang_engines/.
 """
 
@@ -21,11 +22,11 @@ from torch import nn
 
 from shardprep.errors import ManifestError, RuntimeShardError, ShardprepError
 from shardprep.integrations import drafts
-from shardprep.integrations.drafts import hand_to_draft, target_for
+from shardprep.integrations.drafts import DraftLoad, hand_to_draft, target_for
 from shardprep.integrations.load_check import check_all_loaded, tracked_loading
 from shardprep.integrations.load_options import ShardprepLoadOptions
 from shardprep.integrations.output_weights import load_full, output_weights
-from shardprep.integrations.server import WorkerLayout
+from shardprep.integrations.server import ServerAdapter, WorkerLayout
 from shardprep.integrations.sglang.adapter import SglangAdapter
 from shardprep.integrations.sharded_load import ShardedLoad, check_layout
 from shardprep.integrations.vllm.adapter import VllmAdapter
@@ -330,3 +331,58 @@ def test_no_integration_function_takes_more_than_eight_parameters():
                 count -= bool(a.args) and a.args[0].arg in ("self", "cls")
                 widest.append((count, f"{path.name}:{node.name}"))
     assert max(widest)[0] <= 8, sorted(widest)[-3:]
+
+
+def test_a_draft_load_finds_its_targets_load_under_the_servers_deployment_object(llama_out):
+    src, out = llama_out
+
+    class Deployment:  # as vLLM's speculative config: one object that both loads see
+        pass
+
+    deployment = Deployment()
+    server = FakeServer(deployment=deployment)
+    assert not server.loads_draft() and server.runs_a_draft()
+    target = ShardedLoad(server, out, SHARDED, with_draft=server.serves_mtp_draft(str(out)))
+    hand_to_draft(server.deployment(), target)  # what a loader does once its target is loaded
+    draft_server = FakeServer(draft=True, deployment=deployment)
+    assert draft_server.loads_draft()
+    draft_server.refuse_published_draft(str(out), sharded=True)  # a convert output passes
+    with pytest.raises(ShardprepError, match="is not an output of `shardprep convert`"):
+        draft_server.refuse_published_draft(str(src), sharded=True)
+    assert DraftLoad(draft_server, out, SHARDED, draft_server.deployment()).target is target
+    assert DraftLoad(FakeServer(draft=True), out, SHARDED, Deployment()).target is None
+
+
+LOADERS = {"vllm": "VllmAdapter", "sglang": "SglangAdapter"}
+
+
+@pytest.mark.parametrize("server", sorted(LOADERS))
+def test_a_model_loader_imports_nothing_of_its_adapter_module_but_the_adapter(server):
+    tree = ast.parse((ROOT / "shardprep" / "integrations" / server / "model_loader.py").read_text())
+    relative = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1]
+    from_adapter = [a.name for n in relative if n.module == "adapter" for a in n.names]
+    modules = [a.name for n in relative if n.module is None for a in n.names]
+    assert from_adapter == [LOADERS[server]] and "adapter" not in modules, (from_adapter, modules)
+
+
+@pytest.mark.parametrize("adapter", [VllmAdapter, SglangAdapter, FakeServer], ids=lambda a: a.__name__)
+def test_every_public_method_of_an_adapter_answers_a_question_of_the_seam(adapter):
+    own = [name for name, value in vars(adapter).items() if callable(value) and not name.startswith("_")]
+    assert own, "no methods found: the check would pass vacuously"
+    outside = [name for name in own if not hasattr(ServerAdapter, name)]
+    assert not outside, f"{adapter.__name__} answers {outside} outside ServerAdapter"
+
+
+@pytest.mark.parametrize("server", sorted(LOADERS))
+def test_an_adapters_methods_hold_their_logic_instead_of_forwarding_to_module_functions(server):
+    tree = ast.parse((ROOT / "shardprep" / "integrations" / server / "adapter.py").read_text())
+    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    adapter = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == LOADERS[server])
+    forwards = []
+    for method in (n for n in adapter.body if isinstance(n, ast.FunctionDef)):
+        body = [s for s in method.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        call = body[0].value if len(body) == 1 and isinstance(body[0], (ast.Return, ast.Expr)) else None
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in functions:
+            forwards.append(f"{method.name} -> {call.func.id}")
+    assert not forwards, forwards
+    assert not functions & {n.name for n in adapter.body if isinstance(n, ast.FunctionDef)}

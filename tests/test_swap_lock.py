@@ -30,7 +30,7 @@ from shardprep.manifests.manifest import MANIFEST_NAME, load_manifest
 from shardprep.manifests.swap_lock import reading, swap_lock_path, swapping
 from shardprep.prep.convert import convert
 from shardprep.prep.export import export
-from shardprep.prep.output_dir import _remove_abandoned, staged_output
+from shardprep.prep.output.output_dir import _remove_abandoned, staged_output
 from shardprep.prep.reshard import reshard
 from shardprep.prep.validate import validate
 
@@ -41,7 +41,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 # read the old manifest, then swaps at once and says so.
 WRITER = """
 import pathlib, sys, time
-import shardprep.prep.output_dir as output_dir
+import shardprep.prep.output.output_dir as output_dir
 from shardprep.cli import app
 marks, args = pathlib.Path(sys.argv[1]), sys.argv[2:]
 fsync_tree, exchange = output_dir._fsync_tree, output_dir.exchange

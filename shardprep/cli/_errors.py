@@ -15,7 +15,7 @@ from types import FrameType
 import typer
 
 from ..errors import ShardprepError
-from ..prep.output_dir import output_outcome
+from ..prep.output.output_dir import output_outcome
 
 EXIT_INVALID = 1
 EXIT_ERROR = 2

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..prep.convert import CopyMode
+from ..prep.output.writer import CopyMode
 from ._errors import cli_errors, stop_signals_interrupt
 from ._format import byte_progress, human_bytes, not_carried_phrase, print_json
 from ._help import Debug

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..prep.convert import CopyMode
+from ..prep.output.writer import CopyMode
 from ._errors import cli_errors, stop_signals_interrupt
 from ._format import ChunkAlignment, byte_progress, human_bytes, not_carried_phrase, print_json, rank_files_phrase
 from ._help import Debug

@@ -2,11 +2,13 @@
 
 A server (vLLM, SGLang, or the next one) is one `ServerAdapter`: how it spells its options, the parallel layout a
 worker runs (`WorkerLayout`), how it names a checkpoint tensor's parameter, how it builds a weight without storage,
-which modules it quantizes and how it processes them after loading, which targets it cannot serve sharded, and its
-logger. The load flows (`sharded_load.ShardedLoad` for a target, `drafts.DraftLoad` for a draft) call these and
-nothing else of the server; each server's `model_loader.py` only follows that server's own lifecycle (when it
-builds the model, loads weights, post-processes) and calls the flow at each step. Code outside a server's own
-package names no server: a message names it through `spelling.server`.
+which modules it quantizes and how it processes them after loading, which targets it cannot serve sharded, its
+drafts (whether this load is a draft's, which object a target's load and its draft's both see), its compiled graph,
+and its logger. The load flows (`sharded_load.ShardedLoad` for a target, `drafts.DraftLoad` for a draft) call these
+and nothing else of the server; each server's `model_loader.py` only follows that server's own lifecycle (when it
+builds the model, loads weights, post-processes), calls the flow at each step, and asks its server only through its
+adapter's methods. Code outside a server's own package names no server: a message names it through
+`spelling.server`.
 
 Adding a server: subclass `ServerAdapter` in `integrations/<server>/adapter.py` (the abstract methods at least),
 and write a loader class that builds the model inside `ShardedLoad.build`, calls `ShardedLoad.load` where the server
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import ShardprepError
+from ..runtime.binding import Binding
 
 
 @dataclass(frozen=True)
@@ -156,3 +159,48 @@ class ServerAdapter(ABC):
         """The draft model's module for each of the manifest's draft layers (an MTP layer's decoder block)."""
         raise ShardprepError(f"shard_weights: no draft binds in {self.spelling.server}'s sharded mode yet; serve "
                              "the draft in full mode")
+
+    def relink_merged_weights(self, model: nn.Module, binding: Binding) -> list[str]:
+        """Point whatever the server merged from bound weights while loading (when they were placeholders) at the
+        gathered bytes, or drop it for a path that reads the bound weights; the names of the modules changed.
+        Called once the target is bound, before the server's own post-load step. Nothing by default."""
+        return []
+
+    def add_splitting_ops(self, ops: Sequence[str]) -> None:
+        """Make the server's compiled graph run `ops` (the gather ops) eagerly between compiled pieces, as it runs
+        its attention op; called once the target is bound, when the layout is not eager. Nothing by default."""
+        return None
+
+    def key_compile_cache(self, key: str) -> bool:
+        """Make the server's compile cache tell graphs bound as `key` says apart from every other's (after the
+        load); False when it cannot (the loader then warns). True by default: no cache to key."""
+        return True
+
+    # A server with speculative decoding builds the draft model after the target, with a loader of its own.
+
+    def loads_draft(self) -> bool:
+        """Whether this load is the draft model's, not the target's."""
+        return False
+
+    def refuse_published_draft(self, directory: str, sharded: bool) -> None:
+        """Refuse, in one line naming the ways on, a draft model handed to this load format that is no `shardprep
+        convert` output (no manifest in `directory`); `sharded`: whether this is sharded mode. Nothing by default."""
+        return None
+
+    def serves_mtp_draft(self, directory: str) -> bool:
+        """Whether the server runs the MTP layers of `directory`, the target's, as its draft."""
+        return False
+
+    def deployment(self) -> object | None:
+        """The one object the target's load and its draft's both see (`drafts.hand_to_draft` keys the hand-over by
+        it); None: the server has none."""
+        return None
+
+    def runs_a_draft(self) -> bool:
+        """Whether a draft model's load follows this target's (its `ShardedLoad` is then handed over)."""
+        return False
+
+    def replicated_draft_line(self) -> str | None:
+        """The line a sharded target logs when the server loads its draft apart, whole on every rank; None when
+        it does not."""
+        return None

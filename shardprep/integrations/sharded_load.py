@@ -18,7 +18,18 @@ sharded as its kernel reads it (processed_layers.py).
 3. `check_after_processing()`: after the server's own post-load step, check it left every bound parameter where the
    binding put it.
 Everything the server decides comes from its `ServerAdapter` (server.py); nothing here imports or names a server.
-A draft's layers are loaded by `drafts.py` once the server builds the draft model.
+
+A draft's layers are loaded by `drafts.py` once the server builds the draft model, with the steps it shares with a
+target's load, public here (`__all__`):
+- `serving_manifest(directory)`: DIR's manifest, its draft as the server must treat it;
+- `bound_later(manifest, draft)`: which model parameter names `bind` will bind (built without storage);
+- `layer_name_parts(manifest, name, layer)`: a tensor name split around its layer, as `bind` splits it;
+- `keep_bound_modules_plain(adapter, model, bound, directory)`: bound modules kept plain, or refused if quantized
+  and the server cannot process them;
+- `load_replicated(adapter, model, directory, manifest, verify, bound)`: the replicated part through the model's
+  `load_weights`, every parameter then loaded, bound or defaulted;
+- `check_built_were_bound(built, model, bound, directory, what)`: no weight built without storage left unbound;
+- `ShardedLoad`: the target's load, which a draft's load finds through the server's deployment object.
 """
 
 from __future__ import annotations
@@ -43,6 +54,21 @@ from .load_check import check_all_loaded, tracked_loading
 from .load_options import ShardprepLoadOptions
 from .processed_layers import PlaceholderGatherer, ProcessedLayers, needs_processing, process_layers
 from .server import Built, OptionSpelling, ServerAdapter, WorkerLayout
+
+__all__ = [
+    "ShardedLoad",
+    "bound_later",
+    "bound_places",
+    "check_built_were_bound",
+    "check_layout",
+    "keep_bound_modules_plain",
+    "layer_name_parts",
+    "load_replicated",
+    "parameter_names",
+    "refuse_replaced_after_processing",
+    "serving_manifest",
+    "startup_line",
+]
 
 
 def serving_manifest(directory: str | Path) -> Manifest:
@@ -177,8 +203,12 @@ class ShardedLoad:
 
 
 def keep_bound_modules_plain(adapter: ServerAdapter, model: nn.Module, bound: set[int], directory: str) -> None:
-    """Every module owning a bound parameter: kept plain if unquantized, else processed at load; a quantized one is
-    refused here if the server's adapter cannot process it."""
+    """Every module owning a bound parameter (by `id` in `bound`): kept plain if unquantized, else processed at load;
+    a quantized one is refused here if the server's adapter cannot process it.
+
+    >>> keep_bound_modules_plain(adapter, model, {id(p) for p in binding.target_parameters.values()},
+    ...                          "out/")  # doctest: +SKIP
+    """
     for name, module in model.named_modules():
         if not any(id(p) in bound for p in module.parameters(recurse=False)):
             continue
@@ -195,7 +225,11 @@ def load_replicated(adapter: ServerAdapter, model: nn.Module, directory: str | P
                     bound: set[int]) -> None:
     """The model's `load_weights` fed DIR's replicated part, one tensor at a time, file-backed on the host, as the
     server's own loader hands them (each is copied into its parameter, so the replicated part is never held twice);
-    then every parameter must have been loaded, bound, or defaulted by the server (load_check.py)."""
+    then every parameter must have been loaded, bound (by `id` in `bound`), or defaulted by the server
+    (load_check.py).
+
+    >>> load_replicated(adapter, model, "out/", load_manifest("out/"), verify=True, bound=set())  # doctest: +SKIP
+    """
     with tracked_loading(model, adapter.default_weight_loader()) as seen:
         loaded = model.load_weights(iter_replicated(directory, manifest, "cpu", verify))  # type: ignore[operator]
     check_all_loaded(model, loaded, directory, also={*parameter_names(model, bound),
@@ -206,6 +240,9 @@ def check_built_were_bound(built: Built, model: nn.Module, bound: Any, directory
     """Refuse a weight built without storage that no manifest tensor was bound to (it would be read as one element).
 
     By the place each was built at: a module processed at load holds a new parameter object under the same name.
+    `bound`: the parameters bound; `what` names what was built so in the refusal ("a target", "a draft target").
+
+    >>> check_built_were_bound(load.built, model, bound_params, "out/", "a target")  # doctest: +SKIP
     """
     places = {id(p): (m, a) for m in model.modules() for a, p in m._parameters.items() if p is not None}
     ids = set(map(id, bound))

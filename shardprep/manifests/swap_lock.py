@@ -1,6 +1,6 @@
 """The lock between the readers of an output directory and the swap that replaces it.
 
-`--overwrite` puts a new output in OUT's place in one rename (`prep/output_dir.py`), but a reader opens
+`--overwrite` puts a new output in OUT's place in one rename (`prep/output/output_dir.py`), but a reader opens
 OUT's files one after another: without a lock it could read the old manifest and then the new files
 ("model-00004-of-00008.safetensors: not found" for a good output). So every reader (`validate`,
 `open_rank`, `load_replicated`, `iter_replicated`, `iter_full_targets`, vLLM's full mode, `export`,

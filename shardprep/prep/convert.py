@@ -1,7 +1,7 @@
 """`shardprep convert`: HF safetensors checkpoint in, per-rank flat chunks + manifest + replicated part out.
 
 Three steps: open the source (headers only), make the plan (`plan.py`: every decision, no writes), and
-carry it out (`writer.py`) inside `staged_output` (`output_dir.py`): a locked staging sibling of OUT
+carry it out (`output/writer.py`) inside `staged_output` (`output/output_dir.py`): a locked staging sibling of OUT
 that replaces OUT atomically only once the manifest, written last, is on disk.
 """
 
@@ -11,7 +11,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +18,13 @@ from ..errors import ShardprepError
 from ..manifests.manifest import MAX_WORLD_SIZE
 from .convert_plan import ConvertPlan, make_plan, parse_chunk_alignment
 from .header_source import open_headers
-from .output_dir import check_output_dir, staged_output
+from .output.output_dir import check_output_dir, staged_output
+from .output.writer import CopyMode, Progress, output_bytes, write_plan
 from .requant_jobs import RequantOptions
 from .selection import check_preset_fits, make_selection
 from .source import open_source
-from .writer import Progress, output_bytes, write_plan
 
 SUMMARY_SCHEMA = "shardprep/convert-summary/1"
-
-
-class CopyMode(str, Enum):
-    """How files without targets reach OUT: auto (hard-link when possible, else copy), link, copy."""
-
-    AUTO = "auto"
-    LINK = "link"
-    COPY = "copy"
 
 
 @dataclass

@@ -3,7 +3,7 @@
 `make_plan` reads headers (and, for block-FP8 checkpoints, the small scale tensors) and decides which
 tensors are targets, what the requant rewrites, how every layer is laid out, where each chunk sits in
 the rank files (and with which chunk alignment), and what happens to every replicated file. The writer
-(`writer.py`) carries a plan out; `convert --dry-run` prints one. Nothing here writes.
+(`output/writer.py`) carries a plan out; `convert --dry-run` prints one. Nothing here writes.
 """
 
 from __future__ import annotations

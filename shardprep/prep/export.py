@@ -13,7 +13,7 @@ every byte checked) without the sharding. DIR holds (docs/format.md, "Export"):
 - `shardprep_export.json`, written last: where DIR came from (OUT, its source checkpoint, the requant). It
   also marks DIR as shardprep's, so that `export --overwrite` may replace it.
 
-OUT is checked before anything is written as reshard checks it (`reshard_input.py`), and read under its
+OUT is checked before anything is written as reshard checks it (`output/opened_output.py`), and read under its
 readers' lock (`manifests/swap_lock.py`); DIR is written inside `staged_output`, like convert's OUT.
 """
 
@@ -35,13 +35,12 @@ from ..manifests.paths import resolve_inside
 from ..manifests.replicated import NOTICE_FILE, NOTICE_TENSOR, ReplicatedIndex, read_replicated_index
 from ..manifests.safetensors_header import read_safetensors_header
 from ..manifests.swap_lock import reading
-from .convert import CopyMode
-from .output_dir import EXPORT_RECORD, check_output_dir, staged_output, writing
-from .reshard import read_layer, write_carrying
-from .reshard_input import ReshardInput, open_reshard_input
-from .safetensors_writer import OutTensor, write_safetensors
-from .writeback import Writeback
-from .writer import CREATED_BY, Progress, carried_bytes, disk_bytes, output_device, write_atomically
+from .output.carried_files import write_carrying
+from .output.opened_output import OpenedOutput, open_output, read_layer
+from .output.output_dir import EXPORT_RECORD, check_output_dir, staged_output, writing
+from .output.safetensors_writer import OutTensor, write_safetensors
+from .output.writeback import Writeback
+from .output.writer import CREATED_BY, CopyMode, Progress, carried_bytes, disk_bytes, output_device, write_atomically
 
 SUMMARY_SCHEMA = "shardprep/export-summary/1"
 RECORD_SCHEMA = "shardprep/export/1"
@@ -127,7 +126,7 @@ def export(
     out, dest = Path(out), Path(dest)
     with ExitStack() as reading_out:
         reading_out.enter_context(reading(out))  # one output, not half of one replaced meanwhile
-        source = open_reshard_input(out, purpose="exported")
+        source = open_output(out, purpose="exported")
         plan = plan_export(source)
         check_output_dir(dest, [out], overwrite)  # early; again under the lock
         needed = _output_bytes(plan, source, dest, mode)
@@ -154,12 +153,12 @@ def export(
     )
 
 
-def plan_export(source: ReshardInput) -> ExportPlan:
+def plan_export(source: OpenedOutput) -> ExportPlan:
     """Decide DIR's files and index from OUT's manifest, index and replicated headers (nothing is written).
 
     Raises IntegrityError when the index cannot be read or does not match the files it names.
 
-    >>> plan_export(open_reshard_input("out/")).index["weight_map"]["model.norm.weight"]  # doctest: +SKIP
+    >>> plan_export(open_output("out/", purpose="exported")).index["weight_map"]["model.norm.weight"]  # doctest: +SKIP
     """
     m = source.manifest
     replicated, replicated_bytes = _replicated_part(source)
@@ -182,7 +181,7 @@ def plan_export(source: ReshardInput) -> ExportPlan:
     return ExportPlan(target_files, carried, index, provenance)
 
 
-def _replicated_part(source: ReshardInput) -> tuple[ReplicatedIndex, int]:
+def _replicated_part(source: OpenedOutput) -> tuple[ReplicatedIndex, int]:
     """OUT's index (checksum checked) and the bytes of the tensors it maps to real files, each file's header
     holding exactly the tensors the index maps to it (as `load_replicated` requires)."""
     m: Manifest = source.manifest
@@ -210,7 +209,7 @@ def _file_order(entries: tuple[Entry, ...]) -> tuple[Entry, ...]:
     return tuple(sorted(entries, key=lambda e: (-DTYPE_SIZES[e.dtype], e.offset)))
 
 
-def _write(plan: ExportPlan, source: ReshardInput, directory: Path, mode: CopyMode,
+def _write(plan: ExportPlan, source: OpenedOutput, directory: Path, mode: CopyMode,
            progress: Progress | None) -> dict[str, bool]:
     """Write DIR's files into `directory`, the index last; returns, per carried file, whether it was linked."""
     _, linked = write_carrying(
@@ -221,7 +220,7 @@ def _write(plan: ExportPlan, source: ReshardInput, directory: Path, mode: CopyMo
     return linked
 
 
-def _write_targets(plan: ExportPlan, source: ReshardInput, directory: Path, writeback: Writeback,
+def _write_targets(plan: ExportPlan, source: OpenedOutput, directory: Path, writeback: Writeback,
                    progress: Progress | None, check_carried: Callable[[], None]) -> None:
     # One buffer of max|T| for every layer: its N chunks are read into it, then its entries written out.
     buf = memoryview(bytearray(max(f.layer.total_bytes for f in plan.target_files)))
@@ -244,7 +243,7 @@ def _write_targets(plan: ExportPlan, source: ReshardInput, directory: Path, writ
         check_carried()  # a carried file that failed its check stops the run now, not after every layer
 
 
-def _output_bytes(plan: ExportPlan, source: ReshardInput, dest: Path, mode: CopyMode) -> int:
+def _output_bytes(plan: ExportPlan, source: OpenedOutput, dest: Path, mode: CopyMode) -> int:
     """Disk bytes the export needs next to `dest` (an upper bound; a hard link costs nothing)."""
     device = output_device(dest)
     total = sum(carried_bytes(source.root / f.path, f.size, mode.value, device) for f in plan.carried)

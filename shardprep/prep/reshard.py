@@ -1,51 +1,47 @@
 """`shardprep reshard OUT NEW --ranks M`: an output directory for N ranks rewritten for M, without the source.
 
-Three steps, like convert: open OUT (`reshard_input.py`: the manifest, every rank file's size and
+Three steps, like convert: open OUT (`output/opened_output.py`: the manifest, every rank file's size and
 header, every listed file), plan the new layout from the manifest alone (`reshard_plan.py`), and write
 NEW inside `staged_output`. Writing streams one layer at a time through one buffer: its N chunks are
 read and checked against their checksums, the padding above the last entry is zeroed, and the M chunks
 are checksummed and written. Meanwhile a thread pool hard-links (or copies) the replicated part, which
-does not depend on N, and checks every file's checksum in NEW's staging directory. The manifest, the
-input's with the new layout and a `resharded_from` record, is written last.
+does not depend on N, and checks every file's checksum in NEW's staging directory
+(`output/carried_files.py`). The manifest, the input's with the new layout and a `resharded_from` record,
+is written last.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from ..errors import IntegrityError
-from ..manifests.checksums import digest, file_digest
-from ..manifests.exact_read import open_for_reading
+from ..manifests.checksums import digest
 from ..manifests.layout import chunk_range
-from ..manifests.manifest import FileRecord, LayerRecord, Manifest, rank_file_name, read_chunk
+from ..manifests.manifest import LayerRecord, Manifest, rank_file_name
 from ..manifests.swap_lock import reading
-from .convert import CopyMode, check_write_options
-from .output_dir import check_output_dir, staged_output
-from .reshard_input import ReshardInput, open_reshard_input
-from .reshard_plan import ReshardPlan, plan_reshard
-from .writeback import Writeback
-from .writer import (
-    COPY_THREADS,
+from .convert import check_write_options
+from .output.carried_files import write_carrying
+from .output.opened_output import OpenedOutput, open_output, read_layer
+from .output.output_dir import check_output_dir, staged_output
+from .output.writeback import Writeback
+from .output.writer import (
     CREATED_BY,
+    CopyMode,
     Progress,
     carried_bytes,
     create_rank_file,
     disk_bytes,
-    link_or_copy,
     output_device,
     write_chunk,
     write_manifest,
 )
+from .reshard_plan import ReshardPlan, plan_reshard
 
 SUMMARY_SCHEMA = "shardprep/reshard-summary/1"
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -103,7 +99,7 @@ def reshard(
     out, new = Path(out), Path(new)
     with ExitStack() as reading_out:
         reading_out.enter_context(reading(out))  # one output, not half of one replaced meanwhile
-        source = open_reshard_input(out)
+        source = open_output(out, purpose="resharded")
         check_output_dir(new, [out], overwrite)  # early, before planning; again under the lock
         plan = plan_reshard(source.manifest, ranks, chunk_alignment, where=str(source.manifest_path))
         resharded_from = {"path": str(source.root.resolve()), "world_size": source.manifest.world_size,
@@ -135,7 +131,7 @@ def reshard(
     )
 
 
-def _write(plan: ReshardPlan, source: ReshardInput, directory: Path, mode: CopyMode,
+def _write(plan: ReshardPlan, source: OpenedOutput, directory: Path, mode: CopyMode,
            resharded_from: dict[str, Any], progress: Progress | None) -> tuple[Manifest, dict[str, bool]]:
     """Write NEW's files into `directory`, the manifest last; returns it and, per replicated file, whether
     it was hard-linked."""
@@ -147,7 +143,7 @@ def _write(plan: ReshardPlan, source: ReshardInput, directory: Path, mode: CopyM
     return manifest, linked
 
 
-def _move_layers(plan: ReshardPlan, source: ReshardInput, directory: Path, writeback: Writeback,
+def _move_layers(plan: ReshardPlan, source: OpenedOutput, directory: Path, writeback: Writeback,
                  progress: Progress | None, check_carried: Callable[[], None]) -> list[LayerRecord]:
     # One buffer for every layer (the longer of |T| for N and for M), one rank file open at a time.
     (directory / "shards").mkdir()
@@ -178,75 +174,7 @@ def _move_layers(plan: ReshardPlan, source: ReshardInput, directory: Path, write
     return records
 
 
-def read_layer(source: ReshardInput, record: LayerRecord, flat: memoryview) -> None:
-    """T of one layer from its N chunks, each checked against its checksum (reshard's and export's reads).
-
-    >>> read_layer(open_reshard_input("out/"), manifest.layers[0], buffer)  # doctest: +SKIP
-    """
-    for r, path in enumerate(source.rank_paths):
-        lo, hi = chunk_range(r, record.chunk_bytes)
-        with open_for_reading(path, "rank file") as fd:
-            read_chunk(fd, path, record, r, flat[lo:hi])
-
-
-def write_carrying(source: ReshardInput, files: Iterable[FileRecord], directory: Path, mode: CopyMode,
-                   write: Callable[[Writeback, Callable[[], None]], T]) -> tuple[T, dict[str, bool]]:
-    """`write(writeback, check_carried)`'s result, and per file of `files` whether it was hard-linked: the files
-    are carried into `directory` on a thread pool (`CarriedFiles`) while `write` writes the rest (reshard's
-    rank files, export's target files), `check_carried()` raising as soon as one failed its check.
-
-    >>> records, linked = write_carrying(source, files, staging, mode, lambda wb, check: ...)  # doctest: +SKIP
-    """
-    with Writeback() as writeback, ThreadPoolExecutor(COPY_THREADS) as pool:
-        try:
-            carried = CarriedFiles(pool, source, files, directory, mode, writeback)
-            result = write(writeback, carried.check)
-            linked = carried.linked()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        writeback.finish()
-    return result, linked
-
-
-class CarriedFiles:
-    """Replicated files of OUT hard-linked (or copied) into `directory` by `pool` (`_carry`, each checked
-    where it lands) while the caller writes the rest (`write_carrying`).
-
-    >>> carried = CarriedFiles(pool, open_reshard_input("out/"), files, Path("staging/"), mode, wb)  # doctest: +SKIP
-    """
-
-    def __init__(self, pool: Executor, source: ReshardInput, files: Iterable[FileRecord], directory: Path,
-                 mode: CopyMode, writeback: Writeback):
-        self._futures = {f.path: pool.submit(_carry, source, f, directory, mode, writeback) for f in files}
-
-    def check(self) -> None:
-        """Raise what a finished copy raised: a file that failed its check stops the run now, not at the end."""
-        for done in self._futures.values():
-            if done.done():
-                done.result()
-
-    def linked(self) -> dict[str, bool]:
-        """Per file, whether it was hard-linked, once every copy is done (raises what one raised)."""
-        return {path: done.result() for path, done in self._futures.items()}
-
-
-def _carry(source: ReshardInput, record: FileRecord, directory: Path, mode: CopyMode, writeback: Writeback) -> bool:
-    """Hard-link (or copy) one replicated file into `directory`, then check the bytes it now holds there."""
-    src, dest = source.root / record.path, directory / record.path
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    linked = link_or_copy(src, dest, mode.value)
-    # Checked where it landed, so what is checked is what NEW publishes (a copy's bytes, a link's inode).
-    size, got = file_digest(dest)
-    if size != record.size or got != record.xxh3_128:
-        raise IntegrityError(f"{src}: {size} bytes with checksum {got}, the manifest says {record.size} bytes with "
-                             f"{record.xxh3_128} (file corrupt or modified); copy it again", code="checksum_mismatch",
-                             file=record.path)
-    if not linked:
-        writeback.start(dest, 0, size)
-    return linked
-
-
-def _output_bytes(plan: ReshardPlan, source: ReshardInput, new: Path, mode: CopyMode) -> int:
+def _output_bytes(plan: ReshardPlan, source: OpenedOutput, new: Path, mode: CopyMode) -> int:
     """Disk bytes the write needs next to `new` (an upper bound; a hard link costs nothing)."""
     device = output_device(new)
     total = plan.world_size * disk_bytes(plan.rank_layout.rank_file_bytes)

@@ -24,7 +24,7 @@ from ..manifests.problems import Problem, quoted
 from ..manifests.replicated import NOTICE_TENSOR, ReplicatedIndex, check_replicated_file, read_replicated_index
 from ..manifests.safetensors_header import SafetensorsHeader, read_safetensors_header
 from ..manifests.swap_lock import reads_output
-from .output_dir import is_staging_dir
+from .output.output_dir import is_staging_dir
 from .source import SourceCheckpoint, open_source
 
 REPORT_SCHEMA = "shardprep/validate-report/1"

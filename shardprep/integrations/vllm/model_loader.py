@@ -8,8 +8,6 @@ asking vLLM's questions through `VllmAdapter`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig, get_current_vllm_config
 from vllm.config.load import LoadConfig
@@ -22,7 +20,6 @@ from ..drafts import DraftLoad, hand_to_draft
 from ..load_options import ShardprepLoadOptions
 from ..output_weights import load_full
 from ..sharded_load import ShardedLoad
-from . import adapter as vllm_adapter
 from . import cpu_workarounds
 from .adapter import VllmAdapter
 
@@ -42,12 +39,11 @@ class ShardprepModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
         self.options = ShardprepLoadOptions.from_extra_config(load_config.model_loader_extra_config)
+        # Sharded mode's `create_model` replaces it with one over the configs it is given (the hand-over to a draft
+        # goes under their speculative config); the layout and the logger need no config.
         self.adapter = VllmAdapter()
         self.target: ShardedLoad | None = None  # sharded mode, the target model
         self.draft: DraftLoad | None = None  # sharded mode, vLLM's draft model
-        # What a draft's load finds the target's under, when vLLM runs one: the speculative config, the one object the
-        # target's VllmConfig and the draft's (a copy with other kernel settings) share.
-        self._deployment: Any = None
 
     @property
     def binding(self) -> Binding | None:
@@ -65,13 +61,12 @@ class ShardprepModelLoader(BaseModelLoader):
             return BaseModelLoader.create_model(self, vllm_config, model_config, prefix)
 
         directory = model_config.model
-        if vllm_adapter.is_draft_model(model_config):
-            vllm_adapter.refuse_published_draft(directory, vllm_config)
-            self.draft = DraftLoad(self.adapter, directory, self.options, vllm_config.speculative_config)
+        adapter = self.adapter = VllmAdapter(vllm_config, model_config)
+        if adapter.loads_draft():
+            adapter.refuse_published_draft(directory, sharded=True)
+            self.draft = DraftLoad(adapter, directory, self.options, adapter.deployment())
             return self.draft.build(construct)
-        self._deployment = getattr(vllm_config, "speculative_config", None)
-        self.target = ShardedLoad(self.adapter, directory, self.options,
-                                  with_draft=vllm_adapter.serves_mtp_draft(vllm_config))
+        self.target = ShardedLoad(adapter, directory, self.options, with_draft=adapter.serves_mtp_draft(directory))
         return self.target.build(construct)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
@@ -81,21 +76,23 @@ class ShardprepModelLoader(BaseModelLoader):
             if not layout.eager:
                 cpu_workarounds.trace_moe_as_one_op(model)
         if not self.options.shard_weights:
-            if vllm_adapter.is_draft_model(model_config):
-                vllm_adapter.refuse_published_draft(model_config.model, get_current_vllm_config())
+            if VllmAdapter(model_config=model_config).loads_draft():
+                # vLLM's current config is read for a draft only, as the target's full load needs none.
+                draft = VllmAdapter(get_current_vllm_config(), model_config)
+                draft.refuse_published_draft(model_config.model, sharded=False)
             load_full(model, model_config.model, self.options.verify, self.adapter)
         elif self.draft is not None:
             self.draft.load(model)
         else:
             assert self.target is not None, "create_model builds the model in sharded mode"
             self.target.load(model)
-            if self._deployment is not None:
-                hand_to_draft(self._deployment, self.target)
-                line = vllm_adapter.replicated_draft_line(self._deployment)
+            if self.adapter.runs_a_draft():
+                hand_to_draft(self.adapter.deployment(), self.target)
+                line = self.adapter.replicated_draft_line()
                 if line is not None:
                     self.adapter.logger().info(line)
             if not layout.eager:
-                vllm_adapter.add_splitting_ops(SPLITTING_OPS)
+                self.adapter.add_splitting_ops(SPLITTING_OPS)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         # vLLM's process_weights_after_loading runs inside, after load_weights: check that it left every
@@ -103,7 +100,7 @@ class ShardprepModelLoader(BaseModelLoader):
         model = super().load_model(vllm_config, model_config, prefix)
         if self.target is not None and self.target.binding is not None:
             self.target.check_after_processing()
-            if not vllm_adapter.key_compile_cache(vllm_config, self.target.binding.compile_key()):
+            if not VllmAdapter(vllm_config, model_config).key_compile_cache(self.target.binding.compile_key()):
                 self.adapter.logger().warning(
                     "shardprep: additional_config is not a dict, so vLLM's compile cache cannot tell this sharded "
                     "model's graphs from full mode's; set VLLM_DISABLE_COMPILE_CACHE=1")

@@ -38,10 +38,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import OutputError, ShardprepError
-from ..manifests.manifest import MANIFEST_NAME  # what marks a directory as a shardprep output
-from ..manifests.swap_lock import SWAP_LOCK_SUFFIX, remove_if_free, swapping
-from ..planning.accounting import human_bytes
+from ...errors import OutputError, ShardprepError
+from ...manifests.manifest import MANIFEST_NAME  # what marks a directory as a shardprep output
+from ...manifests.swap_lock import SWAP_LOCK_SUFFIX, remove_if_free, swapping
+from ...planning.accounting import human_bytes
 
 # What marks a directory as written by shardprep, and so replaceable with --overwrite: an output's manifest, or
 # the record `export` writes into a plain checkpoint.

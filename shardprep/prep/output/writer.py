@@ -18,15 +18,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from .._version import __version__
-from ..errors import OutputError
-from ..manifests.checksums import digest, file_digest, file_hasher
-from ..manifests.exact_read import pread_exact
-from ..manifests.layout import chunk_range
-from ..manifests.manifest import (
+from ..._version import __version__
+from ...errors import OutputError
+from ...manifests.checksums import digest, file_digest, file_hasher
+from ...manifests.exact_read import pread_exact
+from ...manifests.layout import chunk_range
+from ...manifests.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     REPLICATED_INDEX,
@@ -35,14 +36,14 @@ from ..manifests.manifest import (
     Manifest,
     rank_file_name,
 )
-from ..manifests.paths import files_under
-from ..manifests.replicated import NOTICE_FILE, NOTICE_TENSOR, NOTICE_TEXT, SHARDED_SENTINEL
-from .convert_plan import ConvertPlan, ReplicatedFile
+from ...manifests.paths import files_under
+from ...manifests.replicated import NOTICE_FILE, NOTICE_TENSOR, NOTICE_TEXT, SHARDED_SENTINEL
+from ..convert_plan import ConvertPlan, ReplicatedFile
+from ..requant_jobs import RequantRunner
+from ..source import SourceCheckpoint
 from .file_ranges import pwrite_all
 from .output_dir import writing
-from .requant_jobs import RequantRunner
 from .safetensors_writer import FileRange, OutTensor, write_safetensors
-from .source import SourceCheckpoint
 from .writeback import Writeback
 
 # Threads copying replicated files while the rank files are written. Each copy runs in the kernel
@@ -53,6 +54,19 @@ CREATED_BY = f"shardprep {__version__}"  # the manifest's `created_by`
 
 Progress = Callable[[int, int], None]
 """progress(bytes_done, bytes_total), called as work advances."""
+
+
+class CopyMode(str, Enum):
+    """How files taken over whole reach the output (convert's, reshard's, export's): auto (hard-link when
+    possible, else copy), link, copy.
+
+    >>> CopyMode("link").value
+    'link'
+    """
+
+    AUTO = "auto"
+    LINK = "link"
+    COPY = "copy"
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..manifests.dtypes import tensor_nbytes
-from ..manifests.exact_read import iter_blocks
+from ...manifests.dtypes import tensor_nbytes
+from ...manifests.exact_read import iter_blocks
 from .file_ranges import copy_range, pwrite_all
 
 if TYPE_CHECKING:

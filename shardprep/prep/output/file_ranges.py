@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import SourceError
+from ...errors import SourceError
 
 FALLBACK_BUFFER = 16 << 20
 SPLICE_MIN = 256 << 10  # below this, two system calls per piece are not worth it

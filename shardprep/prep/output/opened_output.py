@@ -1,11 +1,11 @@
-"""The input of `reshard`: an output directory, opened strictly before anything is written.
+"""An output directory opened for reading it back whole (reshard, export), checked before anything is written.
 
-Checked up front, so that a broken input is refused before NEW's staging directory exists: the manifest
-(schema, invariants, its own checksum, format version 2), every rank file (present, exactly the size the
-manifest implies, its header byte for byte) and every other file the manifest lists (present, its size).
+Checked up front, so that a broken output is refused before the command's staging directory exists: the
+manifest (schema, invariants, its own checksum, format version 2), every rank file (present, exactly the size
+the manifest implies, its header byte for byte) and every other file the manifest lists (present, its size).
 Every path must resolve inside OUT, or for a huggingface_hub snapshot inside the repo's cache directory
-(`source.source_boundary`), so no symlink leads reshard out of OUT. The checksums of the chunks and of
-the files are checked as reshard reads them (`reshard.py`).
+(`source.source_boundary`), so no symlink leads a reader out of OUT. The checksums of the chunks are checked
+as `read_layer` reads them, those of the other files where they land (`carried_files.py`).
 """
 
 from __future__ import annotations
@@ -15,18 +15,19 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import IntegrityError, ManifestError, ShardprepError
-from ..manifests.exact_read import open_for_reading, read_exact
-from ..manifests.manifest import MANIFEST_NAME, Manifest, load_manifest
-from ..manifests.paths import files_under
-from ..manifests.rank_file import check_rank_header
+from ...errors import IntegrityError, ManifestError, ShardprepError
+from ...manifests.exact_read import open_for_reading, read_exact
+from ...manifests.layout import chunk_range
+from ...manifests.manifest import MANIFEST_NAME, LayerRecord, Manifest, load_manifest, read_chunk
+from ...manifests.paths import files_under
+from ...manifests.rank_file import check_rank_header
+from ..source import source_boundary
 from .output_dir import is_staging_dir
-from .source import source_boundary
 
 
 @dataclass(frozen=True)
-class ReshardInput:
-    """An output directory checked for reshard: its manifest, its rank files, the files it does not list."""
+class OpenedOutput:
+    """An output directory checked for reading back: its manifest, its rank files, the files it does not list."""
 
     root: Path
     manifest: Manifest
@@ -38,11 +39,11 @@ class ReshardInput:
         return self.root / MANIFEST_NAME
 
 
-def open_reshard_input(out: str | Path, *, purpose: str = "resharded") -> ReshardInput:
-    """Open the output directory `out` for reshard (or export: `purpose` words the refusal of version 1);
-    raises a ShardprepError naming the file at fault.
+def open_output(out: str | Path, *, purpose: str) -> OpenedOutput:
+    """Open the output directory `out` to read it back whole; raises a ShardprepError naming the file at fault.
+    `purpose` words the refusal of format version 1 ("resharded", "exported").
 
-    >>> open_reshard_input("out-8/").manifest.world_size  # doctest: +SKIP
+    >>> open_output("out-8/", purpose="resharded").manifest.world_size  # doctest: +SKIP
     """
     root = Path(out)
     if not root.is_dir():
@@ -66,7 +67,18 @@ def open_reshard_input(out: str | Path, *, purpose: str = "resharded") -> Reshar
             raise IntegrityError(f"{path}: {size} bytes, the manifest says {f.size} (truncated or modified); copy it "
                                  "again", code="file_size", file=f.path)
     listed = {MANIFEST_NAME, *manifest.rank_files, *(f.path for f in manifest.replicated_files)}
-    return ReshardInput(root, manifest, rank_paths, tuple(rel for rel in files_under(root) if rel not in listed))
+    return OpenedOutput(root, manifest, rank_paths, tuple(rel for rel in files_under(root) if rel not in listed))
+
+
+def read_layer(source: OpenedOutput, record: LayerRecord, flat: memoryview) -> None:
+    """T of one layer from its N chunks, each checked against its checksum, into `flat` (|T| bytes).
+
+    >>> read_layer(open_output("out/", purpose="exported"), manifest.layers[0], buffer)  # doctest: +SKIP
+    """
+    for r, path in enumerate(source.rank_paths):
+        lo, hi = chunk_range(r, record.chunk_bytes)
+        with open_for_reading(path, "rank file") as fd:
+            read_chunk(fd, path, record, r, flat[lo:hi])
 
 
 def _rank_file(root: Path, boundary: Path, rel: str, rank: int, manifest: Manifest) -> Path:
