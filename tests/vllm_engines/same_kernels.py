@@ -110,13 +110,13 @@ class _NoGathers:
 def bind_ops_without_gathers(model, manifest):
     """Hook `model` as sharded mode does (the same ops around the same layers, on the same parameters), with
     weights that stay where full mode loaded them."""
-    from shardprep.integrations.vllm.adapter import VllmAdapter, add_splitting_ops
+    from shardprep.integrations.vllm.adapter import VllmAdapter
     from shardprep.runtime.binding import bind
     from shardprep.runtime.layer_ops import SPLITTING_OPS
 
     device = next(model.parameters()).device
     binding = bind(model, _Resident(manifest, device), _NoGathers(model, manifest))
     if not VllmAdapter().layout().eager:
-        add_splitting_ops(SPLITTING_OPS)  # as sharded mode does (piecewise graphs: CUDA only)
+        VllmAdapter().add_splitting_ops(SPLITTING_OPS)  # as sharded mode does (piecewise graphs: CUDA only)
     VllmAdapter().logger().info(f"{SAME_GRAPH_LINE} {[layer.index for layer in binding.layers]}")
     return binding
