@@ -147,7 +147,7 @@ def test_the_page_carries_plan_json_and_draws_its_numbers(llama8, tmp_path, case
         assert "needs each layer's compute time" in page.texts["no-step-time"]
         assert "unknown without --profile" in page.texts["crossover"]
         gathers = sum(r["gather_ms"] for r in plan["layers"])
-        assert f"{gathers:.2f} ms of gathers per forward" in text
+        assert f"{gathers:.3g} ms of gathers per forward" in text
     else:
         expected = expected_series(plan, "step_ms")
         assert check_chart(page, "step-chart", expected) == expected
@@ -176,12 +176,15 @@ def check_memory_stack(page, plan):
     """The bars hold the capacity's set: the replicated part, R whole or R/N and the slots, and the KV room."""
     shown = plan["chosen"] or plan["pays_from"] or plan["every_layer"]
     memory, cap = shown["memory"], plan["capacity"]
-    (svg,) = page.find("svg", **{"class": "stack"})
-    per_px = float(svg["data-bytes-per-px"])
     parts = {}
-    for rect in page.find("rect", **{"class": "part"}):
-        parts[(rect["data-bar"], rect["data-part"])] = int(rect["data-bytes"])
-        assert float(rect["width"]) == pytest.approx(int(rect["data-bytes"]) / per_px, abs=0.01)
+    for chart in ("weights-stack", "hbm-stack"):
+        (svg,) = page.find("svg", id=chart)
+        per_px = float(svg["data-bytes-per-px"])
+        for rect in page.find("rect", **{"class": "part", "in-svg": chart}):
+            assert parts.setdefault((rect["data-bar"], rect["data-part"]), int(rect["data-bytes"])) == \
+                int(rect["data-bytes"])
+            assert float(rect["width"]) == pytest.approx(int(rect["data-bytes"]) / per_px, abs=0.01)
+    assert not page.find("rect", data_part="KV-cache room", **{"in-svg": "weights-stack"})
     assert parts[("replicated", "sharded targets")] == memory["sharded_bytes"]
     assert parts[("sharded", "sharded targets")] == memory["local_chunk_bytes"]
     assert parts[("sharded", "gather slots")] == memory["slot_bytes"]

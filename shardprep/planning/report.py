@@ -27,8 +27,10 @@ from typing import Any
 
 from .accounting import human_bytes
 
-COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
-"""One colour per series, in order (replicated first); readable for the common colour-vision deficiencies."""
+SERIES_COLOURS = {"replicated": "#333333", "every": "#4c72b0", "chosen": "#55a868", "pays_from": "#dd8452",
+                  "measured_replicated": "#333333", "measured_sharded": "#8172b3"}
+"""One colour per series in every chart (a measured series is dashed with hollow markers), told apart by the
+common colour-vision deficiencies."""
 STACK_COLOURS = {"replicated part": "#8c8c8c", "routed experts": "#b07aa1", "sharded targets": "#4c72b0",
                  "gather slots": "#dd8452", "KV-cache room": "#55a868"}
 WIDTH, HEIGHT = 640, 320
@@ -38,9 +40,8 @@ MARGIN = {"left": 70, "right": 20, "top": 20, "bottom": 45}
 def plan_page(plan: Mapping[str, Any]) -> str:
     """The whole HTML page of a plan (`PlanReport.to_dict()`, what `plan --json` prints): see the module docstring.
 
-    >>> page = plan_page(plan_sharding(PlanRequest("my-llama/", ranks=8, preset="llama")).to_dict())  # doctest: +SKIP
-    >>> page.startswith("<!DOCTYPE html>")  # doctest: +SKIP
-    True
+    >>> report = plan_sharding(PlanRequest("my-llama/", ranks=8, preset="llama"))  # doctest: +SKIP
+    >>> Path("plan.html").write_text(plan_page(report.to_dict()))  # doctest: +SKIP
     """
     figures = page_figures(plan)
     title = f"shardprep plan: {plan['source']}, N = {plan['ranks']}"
@@ -64,8 +65,7 @@ def page_figures(plan: Mapping[str, Any]) -> dict[str, Any]:
     """The figures the page draws, taken from the plan's dict: the step-time series, the overhead series with
     each one's crossover, the plan's crossover, and the memory stack.
 
-    >>> page_figures(plan_sharding(request).to_dict())["crossover"]["tokens"]  # doctest: +SKIP
-    1024
+    >>> crossover = page_figures(plan_sharding(request).to_dict())["crossover"]  # doctest: +SKIP
     """
     bound = plan["max_overhead"]
     sets = _layer_sets(plan)
@@ -203,7 +203,9 @@ class Axis:
     end_px: float
 
     def at(self, value: float) -> float:
-        """>>> Axis(1, 100, True, 0, 200).at(10)
+        """The pixel of `value`: 10 lies halfway between 1 and 100 on a log axis.
+
+        >>> Axis(1, 100, True, 0, 200).at(10)
         100.0
         """
         if self.log:
@@ -263,8 +265,8 @@ def line_chart(series: Sequence[Mapping[str, Any]], key: str, *, chart_id: str, 
     for t in marks:
         body.append(f'<line class="crossover" data-tokens="{t}" x1="{xs.at(t)}" x2="{xs.at(t)}" y1="{ys.end_px}" '
                     f'y2="{ys.start_px}" stroke="#333" stroke-dasharray="5 3"/>')
-    for k, s in enumerate(series):
-        body.append(_series_marks(s, key, xs, ys, COLOURS[k % len(COLOURS)]))
+    for s in series:
+        body.append(_series_marks(s, key, xs, ys, SERIES_COLOURS[s["name"]]))
     legend_height = 18 * len(series) + 10
     legend = [_legend_entry(k, s) for k, s in enumerate(series)]
     return (f'<svg class="chart" id="{chart_id}" role="img" width="{WIDTH}" height="{HEIGHT + legend_height}" '
@@ -287,7 +289,7 @@ def _series_marks(s: Mapping[str, Any], key: str, xs: Axis, ys: Axis, colour: st
 
 def _legend_entry(k: int, s: Mapping[str, Any]) -> str:
     y = HEIGHT + 8 + 18 * k
-    colour = COLOURS[k % len(COLOURS)]
+    colour = SERIES_COLOURS[s["name"]]
     dashed = ' stroke-dasharray="6 4"' if s.get("source") == "measured" else ""
     return (f'<line x1="{MARGIN["left"]}" x2="{MARGIN["left"] + 24}" y1="{y}" y2="{y}" stroke="{colour}" '
             f'stroke-width="2"{dashed}/><text class="legend" data-series="{_attr(s["name"])}" '
@@ -313,35 +315,39 @@ def _grid(xs: Axis, ys: Axis, y_label: str, y_format: str) -> str:
     return "".join(lines)
 
 
-def stack_chart(memory: Mapping[str, Any]) -> str:
-    """Two horizontal stacked bars (replicated, sharded), each part's width proportional to its bytes on one scale,
-    with the HBM size as a line where it is known."""
-    bars = memory["bars"]
-    hbm = memory["hbm_bytes"]
-    full = max([hbm or 0, *(sum(p["bytes"] for p in b["parts"]) for b in bars)]) or 1
-    left, right, bar_h = 90, WIDTH - MARGIN["right"], 34
+def stack_chart(memory: Mapping[str, Any], *, chart_id: str, with_room: bool) -> str:
+    """Two horizontal stacked bars (replicated, sharded), each part's width proportional to its bytes on one scale:
+    the weights alone (`with_room` False, scaled to the larger), or with the KV-cache room and the HBM size as a
+    line (scaled to the HBM, or to the weights where they exceed it)."""
+    bars = [[p for p in b["parts"] if with_room or p["name"] != "KV-cache room"] for b in memory["bars"]]
+    hbm = memory["hbm_bytes"] if with_room else None
+    full = max([hbm or 0, *(sum(p["bytes"] for p in parts) for parts in bars)]) or 1
+    left, right, bar_h = 90, WIDTH - MARGIN["right"], 30
     scale = (right - left) / full
     out = []
-    for k, bar in enumerate(bars):
-        y, x = 20 + k * (bar_h + 26), float(left)
+    for k, (bar, parts) in enumerate(zip(memory["bars"], bars)):
+        y, x = 12 + k * (bar_h + 12), float(left)
         out.append(f'<text x="{left - 8}" y="{y + bar_h / 2 + 4}" text-anchor="end">{bar["name"]}</text>')
-        for part in bar["parts"]:
+        for part in parts:
             w = part["bytes"] * scale
             out.append(f'<rect class="part" data-bar="{bar["name"]}" data-part="{_attr(part["name"])}" '
                        f'data-bytes="{part["bytes"]}" x="{round(x, 3)}" y="{y}" width="{round(w, 3)}" '
                        f'height="{bar_h}" fill="{STACK_COLOURS[part["name"]]}"><title>{_text(part["name"])}: '
                        f'{human_bytes(part["bytes"])}</title></rect>')
             x += w
+    bottom = 12 + 2 * bar_h + 12
     if hbm:
-        out.append(f'<line class="hbm" x1="{left + hbm * scale}" x2="{left + hbm * scale}" y1="10" '
-                   f'y2="{20 + 2 * bar_h + 36}" stroke="#333" stroke-dasharray="4 3"/><text x="{left + hbm * scale}" '
-                   f'y="{20 + 2 * bar_h + 50}" text-anchor="end">HBM {human_bytes(hbm)}</text>')
-    legend = "".join(f'<rect x="{left + 120 * k}" y="{2 * bar_h + 110 - 10}" width="10" height="10" fill="{c}"/>'
-                     f'<text x="{left + 120 * k + 14}" y="{2 * bar_h + 110}">{name}</text>'
-                     for k, (name, c) in enumerate(STACK_COLOURS.items()))
-    height = 2 * bar_h + 125
-    return (f'<svg class="stack" role="img" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" '
-            f'data-bytes-per-px="{1 / scale!r}" data-left="{left}">' + "".join(out) + legend + "</svg>")
+        out.append(f'<line class="hbm" x1="{left + hbm * scale}" x2="{left + hbm * scale}" y1="4" y2="{bottom}" '
+                   f'stroke="#333" stroke-dasharray="4 3"/>')
+    scale_line = f"HBM {human_bytes(hbm)} per GPU" if hbm else f"0 to {human_bytes(round(full))}"
+    out.append(f'<text x="{right}" y="{bottom + 14}" text-anchor="end">{scale_line}</text>')
+    names = [n for n in STACK_COLOURS if any(p["name"] == n for parts in bars for p in parts)]
+    legend = "".join(f'<rect x="{10 + 125 * k}" y="{bottom + 26}" width="10" height="10" fill="{STACK_COLOURS[n]}"/>'
+                     f'<text x="{24 + 125 * k}" y="{bottom + 35}">{n}</text>' for k, n in enumerate(names))
+    height = bottom + 45
+    return (f'<svg class="stack" id="{chart_id}" role="img" width="{WIDTH}" height="{height}" '
+            f'viewBox="0 0 {WIDTH} {height}" data-bytes-per-px="{1 / scale!r}" data-left="{left}">'
+            + "".join(out) + legend + "</svg>")
 
 
 # -- the page's text ----------------------------------------------------------------------------------------------
@@ -379,7 +385,7 @@ def _gathers_without_compute(plan: Mapping[str, Any]) -> str:
     if not gather:
         return ""
     sets = [(label, c["layers"]) for _, label, c in _layer_sets(plan)]
-    items = "".join(f"<li>{_text(label)}: {sum(gather[i] for i in layers):.2f} ms of gathers per forward</li>"
+    items = "".join(f"<li>{_text(label)}: {sum(gather[i] for i in layers):.3g} ms of gathers per forward</li>"
                     for label, layers in sets)
     return f"<p>Known without a profile, at {_text(plan['gather_source'])}:</p><ul>{items}</ul>"
 
@@ -390,8 +396,8 @@ def _crossover_section(plan: Mapping[str, Any], figures: Mapping[str, Any]) -> s
     if not series:
         return line
     marks = sorted({s["crossover_tokens"] for s in series if s["crossover_tokens"] is not None})
-    chart = line_chart(series, "overhead", chart_id="overhead-chart", y_label="step overhead", y_format="+.0%", zero=True,
-                       rule=crossover["bound"], marks=marks)
+    chart = line_chart(series, "overhead", chart_id="overhead-chart", y_label="step overhead", y_format="+.0%",
+                       zero=True, rule=crossover["bound"], marks=marks)
     rows = "".join(f'<tr data-series="{_attr(s["name"])}"><th>{_text(s["label"])}</th>'
                    + "".join(_cell(s["points"], t, "overhead", "+.1%") for t in plan["tokens"])
                    + f'<td>{s["crossover_tokens"] if s["crossover_tokens"] is not None else "none"}</td></tr>'
@@ -408,11 +414,19 @@ def _memory_section(memory: Mapping[str, Any]) -> str:
                    f'<td>{_text(p["name"])}</td><td>{human_bytes(p["bytes"])}</td></tr>'
                    for bar in memory["bars"] for p in bar["parts"])
     kv = f" = {memory['kv_tokens']:,} KV-cache tokens" if memory["kv_tokens"] is not None else ""
+    hbm = memory["hbm_bytes"]
+    over = [bar["name"] for bar in memory["bars"] if hbm and bar["weights_bytes"] > hbm]
+    if over:
+        kv += f". The weights exceed the HBM ({human_bytes(hbm)}) {' and '.join(over)}: no room for a KV cache"
     return (f"<p>Sharding {len(memory['layers'])} layers ({_text(_layers_text(memory['layers']))}) frees "
             f"{human_bytes(memory['saved_bytes'])} per GPU{kv}. Weights replicated: "
             f"{human_bytes(memory['bars'][0]['weights_bytes'])}; sharded: "
             f"{human_bytes(memory['bars'][1]['weights_bytes'])}. The KV-cache room is what the HBM leaves "
-            "(activations and the server's workspace are not counted).</p>\n" + stack_chart(memory)
+            "(activations and the server's workspace are not counted).</p>\n<h3>Weights</h3>\n"
+            + stack_chart(memory, chart_id="weights-stack", with_room=False)
+            + ("\n<h3>HBM: weights and the KV-cache room</h3>\n" + stack_chart(memory, chart_id="hbm-stack",
+                                                                               with_room=True)
+               if memory["hbm_bytes"] else "")
             + f'\n<table class="numbers" id="memory-table">{rows}</table>')
 
 
@@ -442,6 +456,7 @@ def _attr(value: Any) -> str:
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 720px; margin: 1.5em auto; color: #222; line-height: 1.4; }
 h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+h3 { font-size: 1em; margin: .8em 0 0; }
 .verdict { font-weight: 600; padding: .6em; background: #f4f6fa; border-left: 4px solid #4c72b0; }
 .crossover { font-weight: 600; }
 table { border-collapse: collapse; font-size: .85em; margin: .6em 0; }
