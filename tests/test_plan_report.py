@@ -72,6 +72,9 @@ def plan_args(llama8, tmp_path, case):
     elif case == "pays-from":
         profile = write_profile(tmp_path / "p.json", tokens=(1, 16, 1024), compute_ms=(0.05, 0.1, 5.0),
                                 gather_ms=1.0)
+    elif case == "budget":
+        profile = write_profile(tmp_path / "p.json", tokens=(16, 128), compute_ms=(0.1, 2.0), gather_ms=1.6)
+        return [*base, "--profile", str(profile), "--budget-gb", "0.00001"]
     else:
         return [*base, "--link-gbps", "100"]
     return [*base, "--profile", str(profile)]
@@ -130,7 +133,7 @@ def check_chart(page, chart_id, key_of_series):
     return drawn
 
 
-@pytest.mark.parametrize("case", ["pays", "pays-from", "no-profile"])
+@pytest.mark.parametrize("case", ["pays", "pays-from", "budget", "no-profile"])
 def test_the_page_carries_plan_json_and_draws_its_numbers(llama8, tmp_path, case):
     args = plan_args(llama8, tmp_path, case)
     plan = json.loads(run_plan([*args, "--json"]))
@@ -164,6 +167,9 @@ def test_the_page_carries_plan_json_and_draws_its_numbers(llama8, tmp_path, case
         crossover = page.find("p", id="crossover")[0]["data-tokens"]
         if case == "pays":
             assert plan["verdict"] == "pays" and crossover == str(min(plan["tokens"]))
+        elif case == "budget":  # the least overhead that frees the budget: within the bound only at 128 tokens
+            assert plan["chosen"]["predictions"][0]["overhead"] > 0.05 >= plan["chosen"]["predictions"][1]["overhead"]
+            assert crossover == "128" and "from 128 tokens per step (not at 16" in page.texts["crossover"]
         else:
             assert plan["verdict"] == "pays only from" and crossover == str(plan["pays_from_tokens"]) == "1024"
             assert "only from 1024 tokens per step (not at 16" in page.texts["crossover"]

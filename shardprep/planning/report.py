@@ -168,11 +168,15 @@ def _plan_crossover(plan: Mapping[str, Any], overheads: list[dict[str, Any]]) ->
     if not overheads:
         return {"tokens": None, "bound": bound, "line": "unknown without --profile: the step cost needs each "
                 "layer's compute time (`shardprep profile` on the target GPUs)"}
-    if plan["chosen"] is not None and plan["budget_bytes"] is None:
+    if plan["chosen"] is not None:
         series = next(s for s in overheads if s["layers"] == plan["chosen"]["layers"])
-        t = series["crossover_tokens"]
-        line = (f"sharding the chosen {len(series['layers'])} layers pays {within} at every token count planned, "
-                f"from {t} tokens per step")
+        t, what = series["crossover_tokens"], f"sharding the chosen {len(series['layers'])} layers"
+        if t == min(plan["tokens"]):
+            line = f"{what} pays {within} at every token count planned, from {t} tokens per step"
+        elif t is not None:
+            line = f"{what} pays {within} from {t} tokens per step ({_below(plan['tokens'], t)})"
+        else:  # a budget chose it: the least overhead that frees the budget can exceed the bound
+            line = f"{what} costs more than {bound:.0%} even at {max(plan['tokens'])} tokens per step"
     elif plan["pays_from_tokens"] is not None:
         t = plan["pays_from_tokens"]
         line = f"sharding pays {within} only from {t} tokens per step ({_below(plan['tokens'], t)})"
@@ -392,7 +396,8 @@ def _gathers_without_compute(plan: Mapping[str, Any]) -> str:
 
 def _crossover_section(plan: Mapping[str, Any], figures: Mapping[str, Any]) -> str:
     crossover, series = figures["crossover"], figures["overhead_series"]
-    line = f'<p class="crossover" id="crossover" data-tokens="{crossover["tokens"]}">{_text(crossover["line"])}</p>'
+    at = "none" if crossover["tokens"] is None else crossover["tokens"]
+    line = f'<p class="crossover" id="crossover" data-tokens="{at}">{_text(crossover["line"])}</p>'
     if not series:
         return line
     marks = sorted({s["crossover_tokens"] for s in series if s["crossover_tokens"] is not None})
