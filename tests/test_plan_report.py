@@ -69,6 +69,11 @@ def plan_args(llama8, tmp_path, case):
     base = [str(llama8), "--ranks", "8", "--preset", "llama"]
     if case == "pays":
         profile = write_profile(tmp_path / "p.json", tokens=(16, 128), compute_ms=(1.0, 2.0), gather_ms=1.6)
+        data = json.loads(profile.read_text())  # as if profiled on a directory sharding layers 1-7
+        for layer in data["layers"][1:]:
+            layer["total_bytes"] = 4096
+        data["backends"][0]["sharded_step_ms"] = [9.5, 17.25]
+        profile.write_text(json.dumps(data))
     elif case == "pays-from":
         profile = write_profile(tmp_path / "p.json", tokens=(1, 16, 1024), compute_ms=(0.05, 0.1, 5.0),
                                 gather_ms=1.0)
@@ -153,11 +158,20 @@ def test_the_page_carries_plan_json_and_draws_its_numbers(llama8, tmp_path, case
         assert f"{gathers:.3g} ms of gathers per forward" in text
     else:
         expected = expected_series(plan, "step_ms")
+        measured = plan["measured"]
+        expected["measured_replicated"] = dict(zip(plan["tokens"], measured["replicated_step_ms"]))
+        if case == "pays":  # the profile says which layers its directory shards: its own step is drawn too
+            assert measured["sharded_layers"] == list(range(1, LAYERS))
+            expected["measured_sharded"] = {16: 9.5, 128: 17.25}
+            assert "measured: the profiled directory's 7 layers (N = 8, ce)" in text
+            assert "<td>9.500</td><td>17.250</td>" in text
+        else:  # the profile recorded neither: nothing drawn for it
+            assert measured["sharded_layers"] == [] and not page.find("polyline", data_series="measured_sharded")
         assert check_chart(page, "step-chart", expected) == expected
         overheads = expected_series(plan, "overhead")
         assert check_chart(page, "overhead-chart", overheads) == overheads
-        for name, values in expected.items():  # the table's figures are the terminal's
-            if name == "replicated":
+        for name, values in expected.items():  # the predicted steps are the terminal's (it prints no measured one)
+            if name == "replicated" or name.startswith("measured"):
                 continue
             for ms in values.values():
                 assert f"{ms:.3f}" in terminal

@@ -148,11 +148,11 @@ def _step_series(plan: Mapping[str, Any], sets: list[tuple[str, str, Mapping[str
                for name, label, c in sets]
     measured = plan.get("measured")
     if measured:
-        where = f"N = {measured['world_size']}, {measured['backend']}"
+        where = f"N = {measured['world_size']}, {measured['backend']}{', a dry run' if measured['dry_run'] else ''}"
         layers = measured["sharded_layers"]
         for name, label, values, shards in (
-                ("measured_replicated", f"replicated, measured ({where})", measured["replicated_step_ms"], []),
-                ("measured_sharded", f"profiled directory's {len(layers)} layers, measured ({where})",
+                ("measured_replicated", f"replicated ({where})", measured["replicated_step_ms"], []),
+                ("measured_sharded", f"the profiled directory's {len(layers)} layers ({where})",
                  measured["sharded_step_ms"], layers)):
             points = [{"tokens": t, "ms": v} for t, v in zip(plan["tokens"], values) if v > 0]
             if points and (name == "measured_replicated" or layers):
