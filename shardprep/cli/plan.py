@@ -92,11 +92,15 @@ def plan_command(
     trace: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Also write the predicted per-layer schedule (compute, gathers, waits) as a Chrome "
                              "trace JSON for ui.perfetto.dev or chrome://tracing (needs --profile).")] = None,
+    report_html: Annotated[Path | None, typer.Option(
+        "--report", metavar="FILE.html", help="Also write the plan as one self-contained HTML page: step time "
+                                              "against tokens per step, the crossover, the memory per GPU.")] = None,
     debug: Debug = False,
 ) -> None:
     """Per rank: memory saved, the KV-cache tokens and requests it buys, the startup peak; per layer: gather
     against compute; the layers to shard and the `convert --layers` argument; a one-line verdict."""
     from ..planning.expert_parallel import hbm_bytes
+    from ..planning.report import plan_page
     from ..prep.convert_plan import parse_chunk_alignment
     from ..prep.deployment_plan import PlanRequest, plan_sharding
     from ..prep.schedule_trace import plan_trace, trace_text
@@ -105,6 +109,7 @@ def plan_command(
         if trace is not None and profile is None:
             raise ShardprepError("--trace needs --profile: the predicted schedule needs each layer's compute time")
         trace_part = stack.enter_context(replaced_on_success(trace, "--trace")) if trace is not None else None
+        page_part = stack.enter_context(replaced_on_success(report_html, "--report")) if report_html else None
         request = PlanRequest(
             source=source, ranks=ranks, targets=tuple(target or ()), preset=preset, layers=layers,
             layer_pattern=layer_pattern, revision=revision, profile=profile, link_gbps=link_gbps, draft=draft,
@@ -119,6 +124,8 @@ def plan_command(
         report = plan_sharding(request)
         if trace_part is not None:
             trace_part.write_text(trace_text(plan_trace(report)))
+        if page_part is not None:
+            page_part.write_text(plan_page(report.to_dict()), encoding="utf-8")
     if json_out:
         print_json(report.to_dict())
     else:

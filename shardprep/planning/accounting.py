@@ -2,9 +2,9 @@
 
 Two slot formulas exist, and which one applies depends on the runtime, not on the files:
 
-- copy (today's gather): a slot holds all of T, the rank's own chunk copied in on every gather;
+- copy: a slot holds all of T, the rank's own chunk copied in on every gather;
   resident = R/N + S·max|T|.
-- aliased own chunk (issue 14, CUDA virtual memory): a layer's view maps the rank's own chunk straight
+- aliased own chunk (CUDA virtual memory): a layer's view maps the rank's own chunk straight
   from the shard buffer and only the N−1 peer chunks land in the slot; resident = R/N + S·(N−1)/N·max|T|.
   Mapping works in pages of the CUDA granularity, so every chunk is padded to a `chunk_alignment` of at
   least `ZERO_COPY_MIN_ALIGNMENT` and that padding is counted.

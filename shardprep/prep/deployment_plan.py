@@ -158,6 +158,15 @@ class PlanReport:
     draft: dict[str, Any] | None = None
     """With `--draft`: the draft model's record (kind, layers, target facts) and what it adds beside the shown
     layers (accounting.draft_saving), with `together_saved_bytes`; None without."""
+    max_overhead: float = 0.05
+    """The bound a set's worst predicted overhead is held to (`--max-overhead`, a fraction)."""
+    budget_bytes: int | None = None
+    """`--budget-gb` in bytes: free at least this much per rank at the least overhead (None: not asked)."""
+    pays_from_choice: LayerChoice | None = None
+    """With a "pays only from" verdict: the set that fits from `pays_from_tokens` up, predicted at every token count."""
+    measured: dict[str, Any] | None = None
+    """With `--profile`: what it measured at `tokens` (the replicated step, its own directory's sharded step with
+    the planned backend, which layers that directory shards), beside the model's predictions; None without."""
 
     @property
     def kinds(self) -> dict[str, dict[str, int]]:
@@ -200,6 +209,10 @@ class PlanReport:
             "verdict_line": self.verdict_line,
             "notes": list(self.notes),
             "draft": self.draft,
+            "max_overhead": self.max_overhead,
+            "budget_bytes": self.budget_bytes,
+            "pays_from": choice(self.pays_from_choice),
+            "measured": self.measured,
         }
 
 
@@ -232,38 +245,111 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     >>> report.verdict_line  # doctest: +SKIP
     """
     fit = _shard_groups(request, _converted_world_size(request.source))
-    n = fit.group_size
     check_tensor_parallel(request.tp)
     check_expert_parallel(request.ep, fit.world_size)
-    model = _read_model(request, n)
+    model = _read_model(request, fit.group_size)
     kind = draft_kind(model.config)
     if kind is not None:
         raise ShardprepError(f"{request.source} is a {kind} draft model's: plan weighs a target's layers; plan its "
                              f"target with --draft {request.source}")
-    beside = _read_draft(request, n, model.config) if request.draft else None
+    beside = _read_draft(request, fit.group_size, model.config) if request.draft else None
+    inputs = _plan_inputs(request, fit, model)
+    choices = _choose(inputs)
+    shown = choices.shown
+    verdict, line = _verdict(request, choices.every, choices.chosen, choices.pays_from, choices.from_choice,
+                             choices.least, inputs.kv, inputs.gather_ms, inputs.gather_source, inputs.tokens)
+    crossing = fit.crosses_nodes_line()
+    if crossing is not None:
+        at = f" at --dp {fit.world_size}" if request.dp is not None else ""
+        verdict, line = Verdict.CROSSES_NODES, (f"{crossing}; plan --ranks {fit.largest_node_local}, the largest "
+                                                f"shard group that fits a node{at}")
+    if beside is not None:
+        inputs.notes.append(f"the draft ({request.draft}) is counted beside the {len(shown.layers)} layers shown; "
+                            "the step-time model weighs the target's layers alone (the draft runs after them)")
+    pick = choices.chosen or choices.from_choice
+    # Never open-ended past the target's last layer when a draft's layers follow it: `1-` would take them in.
+    convert_layers = (format_layers(pick.layers, num_layers=None if inputs.draft_layers else inputs.model_layers)
+                      if pick else None)
+    return PlanReport(
+        draft=None if beside is None else _draft_beside(beside, [model.sizes[i] for i in shown.layers],
+                                                        inputs.alignment, fit.group_size, request.num_slots,
+                                                        inputs.aliased),
+        source=request.source, kind=model.kind, ranks=fit.group_size, model_layers=inputs.model_layers,
+        candidates=inputs.candidates, tokens=inputs.tokens, rows=_layer_rows(inputs), slot_model=inputs.slot_model,
+        every_layer=choices.every, chosen=choices.chosen, capacity=_shown_capacity(inputs, shown), verdict=verdict,
+        verdict_line=line, groups=fit, experts=inputs.experts, kv=inputs.kv, pays_from_tokens=choices.pays_from,
+        convert_layers=convert_layers, convert_command=_convert_command(model, fit.group_size, convert_layers),
+        gather_source=inputs.gather_source, backend=inputs.backend, notes=inputs.notes,
+        schedules=_schedules(inputs, shown.layers), schedule_layers=shown.layers, num_slots=request.num_slots,
+        fetched_bytes=model.fetched_bytes, max_overhead=request.max_overhead, budget_bytes=request.budget_bytes,
+        pays_from_choice=(evaluate(choices.from_choice.layers, inputs.memory, inputs.predictor(inputs.token_index))
+                          if choices.from_choice else None),
+        measured=_measured(inputs),
+    )
+
+
+@dataclass
+class _PlanInputs:
+    """What every step of the plan reads: the request, the model, the group size, and what follows from them
+    (the candidates, each layer's chunk and gather time, the profile's token counts). `notes` collects caveats
+    in the order the terminal prints them."""
+
+    request: PlanRequest
+    model: _Model
+    n: int
+    experts: ExpertShard
+    alignment: int
+    aliased: bool
+    slot_model: str
+    kv: KvCacheShape | None
+    profile: Profile | None
+    notes: list[str]
+    draft_layers: tuple[int, ...]  # an MTP draft's layers inside the checkpoint: never a silent candidate
+    candidates: tuple[int, ...]
+    model_layers: int
+    chunks: dict[int, int]
+    gather_ms: dict[int, float] | None
+    gather_source: str
+    backend: str | None
+    tokens: tuple[int, ...]
+    token_index: list[int]
+
+    def memory(self, layers: Sequence[int]) -> MemoryAccount:
+        return account_layers([self.model.sizes[i] for i in layers], self.n, num_slots=self.request.num_slots,
+                              chunk_alignment=self.alignment, aliased_own_chunk=self.aliased,
+                              non_target_bytes=self.model.replicated_bytes)
+
+    def predictor(self, indices: Sequence[int]) -> Predict | None:
+        """The step-time prediction of a layer set at these token counts (profile indices); None where the
+        compute or the gathers are unknown."""
+        profile, gather_ms = self.profile, self.gather_ms
+        if profile is None or gather_ms is None or not indices:
+            return None
+        b = profile.backend(self.backend)
+        num_slots = self.request.num_slots
+
+        def predict(layers: Sequence[int]) -> list[StepPrediction]:
+            gathers = {i: gather_ms[i] for i in layers}
+            return [predict_step(profile.segments(ti, gathers), b.interference(ti), num_slots) for ti in indices]
+
+        return predict
+
+
+def _plan_inputs(request: PlanRequest, fit: GroupFit, model: _Model) -> _PlanInputs:
+    """Read the profile and derive what the layer search needs. The notes keep the terminal's order: the model's,
+    the parallel layout's, the KV cache's, the profile's, the MTP draft's, then the gathers'."""
+    n = fit.group_size
     experts = expert_shard(model.tensor_bytes, request.ep)
     alignment = model.chunk_alignment
     aliased = zero_copy_applies(alignment)
-    slot_model = (f"aliased own chunk: slots {request.num_slots}·(N−1)/N·max|T| (CUDA, chunks aligned to "
-                  f"{human_bytes(alignment)} ≥ 2 MiB)" if aliased else
-                  f"copy: slots {request.num_slots}·max|T| (chunk alignment {human_bytes(alignment)} < 2 MiB, so the "
-                  "own chunk cannot be mapped; convert with a 2 MiB chunk alignment for the smaller slots)")
     where = str(Path(request.source) / "config.json")
     kv = kv_cache_shape(model.config, request.kv_dtype, where=where) if model.config else None
-    notes = list(model.notes)
-    if request.ep == 1 and experts.routed_bytes and fit.world_size > 1:
-        notes.append(f"the routed experts ({human_bytes(experts.routed_bytes)}) are counted whole on every GPU; "
-                     "DP attention deployments split them by expert parallelism: give --ep")
-    if model.config is None:
-        notes.append("no config.json: KV-cache figures are left out")
-    elif kv is None:
-        notes.append("an encoder-only model keeps no KV cache")
-
+    notes = [*model.notes, *_layout_notes(request, model, experts, fit, kv)]
     profile = load_profile(request.profile) if request.profile else None
     if profile is not None and profile.compute_mode == "eager" and profile.device != "cpu":
         notes.append(f"the profile timed eager forwards ({profile.compute_mode_note or 'an older profile'}), not "
                      "the CUDA-graph replays a deployment runs: its compute times can be the host's")
-    # An MTP layer is a draft model's, run apart from the target's forward: never a silent candidate (below).
+    # An MTP layer is a draft model's, run apart from the target's forward: it is only sharded when asked for.
     draft = tuple(i for i in mtp_layers(model.config) if i in model.sizes)
     candidates = tuple(sorted(i for i in model.sizes if i not in draft))
     if draft:
@@ -275,30 +361,54 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
     chunks = {i: align_up(t // n, alignment) for i, t in model.sizes.items()}
     recv = {i: (n - 1) * c for i, c in chunks.items()}
     gather_ms, gather_source, backend = _gather_times(request, profile, recv, n, notes)
-    tokens: tuple[int, ...] = ()
-    token_index: list[int] = []
-    if profile is not None:
-        tokens = request.tokens or profile.tokens
-        token_index = [profile.token_index(t) for t in tokens]
+    tokens = (request.tokens or profile.tokens) if profile is not None else ()
+    token_index = [profile.token_index(t) for t in tokens] if profile is not None else []
+    return _PlanInputs(request, model, n, experts, alignment, aliased, _slot_model(aliased, alignment, request),
+                       kv, profile, notes, draft, candidates, model_layers, chunks, gather_ms, gather_source, backend,
+                       tuple(tokens), token_index)
 
-    def memory(layers: Sequence[int]) -> MemoryAccount:
-        return account_layers([model.sizes[i] for i in layers], n, num_slots=request.num_slots,
-                              chunk_alignment=alignment, aliased_own_chunk=aliased,
-                              non_target_bytes=model.replicated_bytes)
 
-    def predictor(indices: Sequence[int]) -> Predict | None:
-        if profile is None or gather_ms is None or not indices:
-            return None
-        b = profile.backend(backend)
+def _slot_model(aliased: bool, alignment: int, request: PlanRequest) -> str:
+    if aliased:
+        return (f"aliased own chunk: slots {request.num_slots}·(N−1)/N·max|T| (CUDA, chunks aligned to "
+                f"{human_bytes(alignment)} ≥ 2 MiB)")
+    return (f"copy: slots {request.num_slots}·max|T| (chunk alignment {human_bytes(alignment)} < 2 MiB, so the "
+            "own chunk cannot be mapped; convert with a 2 MiB chunk alignment for the smaller slots)")
 
-        def predict(layers: Sequence[int]) -> list[StepPrediction]:
-            gathers = {i: gather_ms[i] for i in layers}
-            return [predict_step(profile.segments(ti, gathers), b.interference(ti), request.num_slots)
-                    for ti in indices]
 
-        return predict
+def _layout_notes(request: PlanRequest, model: _Model, experts: ExpertShard, fit: GroupFit,
+                  kv: KvCacheShape | None) -> list[str]:
+    notes = []
+    if request.ep == 1 and experts.routed_bytes and fit.world_size > 1:
+        notes.append(f"the routed experts ({human_bytes(experts.routed_bytes)}) are counted whole on every GPU; "
+                     "DP attention deployments split them by expert parallelism: give --ep")
+    if model.config is None:
+        notes.append("no config.json: KV-cache figures are left out")
+    elif kv is None:
+        notes.append("an encoder-only model keeps no KV cache")
+    return notes
 
-    predict = predictor(token_index)
+
+@dataclass(frozen=True)
+class _Choices:
+    """The layer sets the search found: every candidate, the chosen one (None: none fits), the pays-from set and
+    its threshold, and the least costly set (named when nothing fits)."""
+
+    every: LayerChoice
+    chosen: LayerChoice | None
+    pays_from: int | None
+    from_choice: LayerChoice | None
+    least: LayerChoice | None
+
+    @property
+    def shown(self) -> LayerChoice:
+        """The set the capacity, the schedules and the draft are reported for."""
+        return self.chosen or self.from_choice or self.every
+
+
+def _choose(inputs: _PlanInputs) -> _Choices:
+    request, candidates, memory = inputs.request, inputs.candidates, inputs.memory
+    predict = inputs.predictor(inputs.token_index)
     every = evaluate(candidates, memory, predict)
     if request.budget_bytes is not None:
         chosen = choose_layers(candidates, memory, predict, budget_bytes=request.budget_bytes)
@@ -306,56 +416,70 @@ def plan_sharding(request: PlanRequest) -> PlanReport:
         chosen = choose_layers(candidates, memory, predict, max_overhead=request.max_overhead)
     pays_from, from_choice = None, None
     if chosen is None and predict is not None and request.budget_bytes is None:
-        for k in range(1, len(tokens)):
-            later = [ti for t, ti in zip(tokens, token_index) if t >= sorted(tokens)[k]]
-            found = choose_layers(candidates, memory, predictor(later), max_overhead=request.max_overhead)
-            if found is not None:
-                pays_from, from_choice = sorted(tokens)[k], found
-                break
-    shown = chosen or from_choice or every
+        pays_from, from_choice = _pays_from(inputs)
+    least = least_overhead(candidates, memory, predict) if predict is not None else None
+    return _Choices(every, chosen, pays_from, from_choice, least)
+
+
+def _pays_from(inputs: _PlanInputs) -> tuple[int | None, LayerChoice | None]:
+    """The least token count from which some set fits the bound at that count and every larger one, and the set."""
+    ordered = sorted(inputs.tokens)
+    for k in range(1, len(ordered)):
+        later = [ti for t, ti in zip(inputs.tokens, inputs.token_index) if t >= ordered[k]]
+        found = choose_layers(inputs.candidates, inputs.memory, inputs.predictor(later),
+                              max_overhead=inputs.request.max_overhead)
+        if found is not None:
+            return ordered[k], found
+    return None, None
+
+
+def _shown_capacity(inputs: _PlanInputs, shown: LayerChoice) -> Capacity:
+    request, model, experts = inputs.request, inputs.model, inputs.experts
     # Under expert parallelism the routed experts leave the replicated part: each GPU holds its 1/E of them.
     expert_bytes = experts.shard_bytes if request.ep > 1 else 0
-    replicated_part = (model.replicated_bytes - (experts.routed_bytes if request.ep > 1 else 0)
-                       + sum(model.sizes[i] for i in (*candidates, *draft) if i not in shown.layers))
-    cap = capacity(shown.memory, kv, replicated_part_bytes=replicated_part, context_len=request.context_len,
-                   hbm_bytes=request.hbm_bytes, expert_shard_bytes=expert_bytes)
-    least = least_overhead(candidates, memory, predict) if predict is not None else None
-    verdict, line = _verdict(request, every, chosen, pays_from, from_choice, least, kv, gather_ms, gather_source,
-                             tokens)
-    crossing = fit.crosses_nodes_line()
-    if crossing is not None:
-        at = f" at --dp {fit.world_size}" if request.dp is not None else ""
-        verdict, line = Verdict.CROSSES_NODES, (f"{crossing}; plan --ranks {fit.largest_node_local}, the largest "
-                                                f"shard group that fits a node{at}")
-    pick = chosen or from_choice
-    # Never open-ended past the target's last layer when a draft's layers follow it: `1-` would take them in.
-    convert_layers = format_layers(pick.layers, num_layers=None if draft else model_layers) if pick else None
-    schedules: tuple[StepSchedule, ...] = ()
-    if profile is not None and gather_ms is not None:
-        b = profile.backend(backend)
-        shown_gathers = {i: gather_ms[i] for i in shown.layers}
-        schedules = tuple(schedule_step(profile.segments(ti, shown_gathers), b.interference(ti), request.num_slots)
-                          for ti in token_index)
-    rows = [LayerRow(i, model.sizes.get(i), chunks.get(i), gather_ms.get(i) if gather_ms else None,
-                     tuple(profile.layers[i].compute_ms[ti] for ti in token_index) if profile else (),
+    unsharded = sum(model.sizes[i] for i in (*inputs.candidates, *inputs.draft_layers) if i not in shown.layers)
+    replicated_part = model.replicated_bytes - (experts.routed_bytes if request.ep > 1 else 0) + unsharded
+    return capacity(shown.memory, inputs.kv, replicated_part_bytes=replicated_part, context_len=request.context_len,
+                    hbm_bytes=request.hbm_bytes, expert_shard_bytes=expert_bytes)
+
+
+def _schedules(inputs: _PlanInputs, layers: tuple[int, ...]) -> tuple[StepSchedule, ...]:
+    profile, gather_ms = inputs.profile, inputs.gather_ms
+    if profile is None or gather_ms is None:
+        return ()
+    b = profile.backend(inputs.backend)
+    gathers = {i: gather_ms[i] for i in layers}
+    return tuple(schedule_step(profile.segments(ti, gathers), b.interference(ti), inputs.request.num_slots)
+                 for ti in inputs.token_index)
+
+
+def _layer_rows(inputs: _PlanInputs) -> list[LayerRow]:
+    model, profile, gather_ms = inputs.model, inputs.profile, inputs.gather_ms
+    return [LayerRow(i, model.sizes.get(i), inputs.chunks.get(i), gather_ms.get(i) if gather_ms else None,
+                     tuple(profile.layers[i].compute_ms[ti] for ti in inputs.token_index) if profile else (),
                      model.kinds.get(i, {}))
-            for i in range(model_layers)]
-    if beside is not None:
-        notes.append(f"the draft ({request.draft}) is counted beside the {len(shown.layers)} layers shown; "
-                     "the step-time model weighs the target's layers alone (the draft runs after them)")
-    return PlanReport(
-        draft=None if beside is None else _draft_beside(beside, [model.sizes[i] for i in shown.layers], alignment, n,
-                                                        request.num_slots, aliased),
-        source=request.source, kind=model.kind, ranks=n, model_layers=model_layers, candidates=candidates,
-        tokens=tokens, rows=rows, slot_model=slot_model, every_layer=every, chosen=chosen, capacity=cap,
-        verdict=verdict, verdict_line=line, groups=fit, experts=experts, kv=kv, pays_from_tokens=pays_from,
-        convert_layers=convert_layers,
-        convert_command=None if convert_layers is None else shlex.join(
-            ["shardprep", "convert", *model.convert_args[:2], "--ranks", str(n), *model.convert_args[2:],
-             "--layers", convert_layers]),
-        gather_source=gather_source, backend=backend, notes=notes, schedules=schedules,
-        schedule_layers=shown.layers, num_slots=request.num_slots, fetched_bytes=model.fetched_bytes,
-    )
+            for i in range(inputs.model_layers)]
+
+
+def _convert_command(model: _Model, n: int, convert_layers: str | None) -> str | None:
+    if convert_layers is None:
+        return None
+    return shlex.join(["shardprep", "convert", *model.convert_args[:2], "--ranks", str(n), *model.convert_args[2:],
+                       "--layers", convert_layers])
+
+
+def _measured(inputs: _PlanInputs) -> dict[str, Any] | None:
+    """What the profile measured at the planned token counts, beside the model's predictions: the replicated step
+    and the profiled directory's own sharded step with the planned backend (None without a profile)."""
+    profile = inputs.profile
+    if profile is None:
+        return None
+    b = profile.backend(inputs.backend)
+    return {"backend": b.name, "world_size": profile.world_size, "device": profile.device,
+            "dry_run": profile.dry_run, "compute_mode": profile.compute_mode,
+            "sharded_layers": [lay.layer for lay in profile.layers if lay.total_bytes is not None],
+            "replicated_step_ms": [profile.replicated_step_ms[ti] for ti in inputs.token_index],
+            "sharded_step_ms": [b.sharded_step_ms[ti] for ti in inputs.token_index]}
 
 
 def _draft_note(draft: tuple[int, ...], sizes: dict[int, int]) -> str:
