@@ -47,8 +47,10 @@ class GatherStreams:
     def on(cls, device: torch.device) -> GatherStreams:
         """New streams and events on `device`, the external events recorded once (a wait inside a capture on an
         event never recorded would capture no node at all) and kept for the life of the process."""
-        streams = cls(*(torch.cuda.Stream(device) for _ in range(3)), *(torch.cuda.Event() for _ in range(4)),
-                      torch.cuda.Event(external=True), torch.cuda.Event(external=True))
+        streams = cls(gather=torch.cuda.Stream(device), first=torch.cuda.Stream(device),
+                      draft=torch.cuda.Stream(device), forked=torch.cuda.Event(), counted=torch.cuda.Event(),
+                      first_gathered=torch.cuda.Event(), checked=torch.cuda.Event(),
+                      handoff=torch.cuda.Event(external=True), draft_gathered=torch.cuda.Event(external=True))
         _KEPT_FOR_GRAPHS.extend((streams.handoff, streams.draft_gathered))
         streams.handoff.record(torch.cuda.current_stream(device))
         streams.draft_gathered.record(streams.draft)
