@@ -16,7 +16,7 @@ from ..errors import SourceError
 from ..manifests.problems import quoted
 
 MAX_LAYERS = 10_000
-"""Decoder layers of any real model: about 200 at most today."""
+"""Decoder layers of any real model: published ones have about 200 at most."""
 
 FIGURE_FIELDS: dict[str, tuple[int, int]] = {
     "num_hidden_layers": (1, MAX_LAYERS), "num_layers": (1, MAX_LAYERS), "n_layer": (1, MAX_LAYERS),

@@ -33,7 +33,7 @@ from .selection import Selection, TargetPlan, draft_preset_hint, select_targets
 from .source import INDEX_NAME, SINGLE_NAME, SourceCheckpoint
 
 # What `--chunk-alignment auto` tries: the CUDA virtual-memory mapping granularity the zero-copy runtime
-# needs (issue 14), taken only when its padding costs at most AUTO_MAX_PADDING of Σ|T| per rank.
+# needs, taken only when its padding costs at most AUTO_MAX_PADDING of Σ|T| per rank.
 AUTO_CHUNK_ALIGNMENT = ZERO_COPY_MIN_ALIGNMENT
 AUTO_MAX_PADDING = 0.01
 # transformers loads a top-level model.safetensors before it looks at the index, which would bypass the

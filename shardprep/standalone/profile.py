@@ -11,7 +11,7 @@ On a bound model (`profile_binding`), per token count and per gather backend:
    bytes received give the gather-only bandwidth;
 3. interference: the replicated forward timed while this backend's gathers stream beside it for its
    whole length (κ, how much slower compute runs), and a forward's gathers timed while forwards run
-   beside them (λ). On a GPU both share HBM: see ../shared/MEASURED.md and docs/planning.md;
+   beside them (λ). On a GPU both share HBM: see docs/planning.md (the step-time model);
 4. sharded: the model bound to the backend, one step timed per token count (what plan's prediction
    should match for this directory's layer choice), in the same mode as step 1.
 
@@ -88,112 +88,156 @@ def profile_binding(binding: Binding, forward_at: Callable[[int], Forward], laye
     ...                           ProfileOptions(tokens=(16, 1024)))  # doctest: +SKIP
     """
     shards = binding.shards
-    manifest = shards.manifest
-    clock = DeviceClock(shards.device)
     group = binding.gatherer.group
     control = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
-    tokens = options.tokens
-    forwards = {t: forward_at(t) for t in tokens}
-    timer = _LayerTimer(clock, layer_modules)
-    # Measurements: compute per token count; per backend its gathers, then interference and the sharded step
-    # per token count (the backends counted again once `auto` has resolved to one of them).
-    progress = {"done": 0, "total": len(tokens) + len(dict.fromkeys(options.backends)) * (1 + 2 * len(tokens))}
-
-    def step_done(what: str) -> None:
-        progress["done"] += 1
-        if options.progress is not None and dist.get_rank(control) == 0:
-            options.progress(what, progress["done"], progress["total"])
-
+    steps_per_backend = 1 + 2 * len(options.tokens)
+    run = _Run(DeviceClock(shards.device), control, options,
+               total=len(options.tokens) + len(dict.fromkeys(options.backends)) * steps_per_backend)
+    forwards = {t: forward_at(t) for t in options.tokens}
+    timer = _LayerTimer(run.clock, layer_modules)
     resident = ResidentWeights(binding)
     resident.attach()
-    graphed, eager_because = _capture_forwards(timer, forwards, options, clock, control)
+    graphed, eager_because = _capture_forwards(timer, forwards, options, run.clock, run.control)
     # What steps 1 and 3 run: the graphs' replays, or the eager forwards.
-    compute = {t: graphed[t].replay for t in tokens} if graphed else forwards
-    head, tail, step = [], [], []
-    layer_ms: list[list[float]] = []
-    for t in tokens:
-        for _ in range(options.warmup):
-            compute[t]()
-        samples = [graphed[t].time() if graphed else timer.time(forwards[t]) for _ in range(options.iters)]
-        row = slowest([median([s[i] for s in samples]) for i in range(len(layer_modules) + 3)], control)
-        head.append(row[0])
-        layer_ms.append(row[1:-2])
-        tail.append(row[-2])
-        step.append(row[-1])
-        step_done(f"compute at {t} tokens")
-
+    compute = {t: graphed[t].replay for t in options.tokens} if graphed else forwards
+    replicated = _time_compute(run, timer, graphed, compute, forwards, len(layer_modules))
     gatherers = [binding.gatherer]
     for name in options.backends[1:]:
         if name not in {g.backend_name for g in gatherers}:
             gatherers.append(LayerGatherer(shards, group=group, backend=name))
+    run.total = len(options.tokens) + len(gatherers) * steps_per_backend  # `auto` has resolved to a backend
+    measured = [_time_beside(run, g, compute, replicated.step) for g in gatherers]
     graphed_mode = bool(graphed)
-    progress["total"] = len(tokens) + len(gatherers) * (1 + 2 * len(tokens))
-    measured = []
-    for g in gatherers:
-        per_layer, gather_only = _gather_times(clock, g, options, control)
-        step_done(f"{g.backend_name} gathers")
-        kappa, lam = [], []
-        for t, alone in zip(tokens, step):
-            fwd = compute[t]
-            k = math.ceil(COVER * alone / gather_only) + 1 if gather_only > 0 else 1
-            m = math.ceil(COVER * gather_only / alone) + 1 if alone > 0 else 1
-            clock.beside(fwd, g.idle_step, k)  # warm-up of both together
-            reps = max(3, options.iters // 4)
-            with_gathers, with_compute = slowest([
-                median([clock.beside(fwd, g.idle_step, k) for _ in range(reps)]),
-                median([clock.beside(g.idle_step, fwd, m) for _ in range(reps)]),
-            ], control)
-            # Timing noise can make a run beside the other faster than alone; that is no speed-up.
-            kappa.append(max(0.0, with_gathers / alone - 1) if alone > 0 else 0.0)
-            lam.append(max(0.0, with_compute / gather_only - 1) if gather_only > 0 else 0.0)
-            step_done(f"{g.backend_name} beside compute at {t} tokens")
-        measured.append((g, per_layer, gather_only, kappa, lam))
     del compute
     graphed.clear()  # the graphs go before the resident weights they read are freed
     resident.detach()
-    if clock.cuda:
+    if run.clock.cuda:
         torch.cuda.empty_cache()
-
     backends = []
-    for g, per_layer, gather_only, kappa, lam in measured:
-        bound = bind(binding.model, shards, g)
-        sharded = []
-        for t in tokens:
-            fwd = _sharded_graph(forwards[t], clock.device, g.backend_name, control) if graphed_mode else forwards[t]
-            for _ in range(options.warmup):
-                fwd()
-            sharded.append(median([clock.time_ms(fwd) for _ in range(options.iters)]))
-            del fwd  # a graph's memory goes before the next token count's
-            step_done(f"{g.backend_name} sharded step at {t} tokens")
-        if options.trace_path is not None and g is gatherers[0]:
-            _trace_sharded_steps(forwards, layer_modules, clock, options.trace_path, dist.get_rank(control) == 0)
-        bound.remove()
+    for g, (per_layer, gather_only, kappa, lam) in zip(gatherers, measured):
+        trace = options.trace_path is not None and g is gatherers[0]
+        sharded = _time_sharded_steps(run, binding, g, forwards, layer_modules, graphed_mode, trace)
         backends.append(BackendTimes(
             name=g.backend_name,
             gather_ms=per_layer,
             gather_only_ms=gather_only,
-            recv_bytes_per_forward=(manifest.world_size - 1) * sum(r.chunk_bytes for r in manifest.layers),
+            recv_bytes_per_forward=(shards.world_size - 1) * sum(r.chunk_bytes for r in shards.manifest.layers),
             compute_slowdown=tuple(kappa),
             gather_slowdown=tuple(lam),
-            sharded_step_ms=tuple(slowest(sharded, control)),
+            sharded_step_ms=tuple(sharded),
         ))
-    dist.destroy_process_group(control)
-    sizes = {r.layer: r.total_bytes for r in manifest.layers}
+    dist.destroy_process_group(run.control)
+    return _profile(shards, options, replicated, backends, source, graphed_mode, eager_because)
+
+
+@dataclass
+class _Run:
+    """What every phase of one profile shares: the device clock, the ranks' gloo side group (to agree on the
+    slowest rank's times), the options, and the progress count rank 0 reports."""
+
+    clock: DeviceClock
+    control: Any
+    options: ProfileOptions
+    total: int
+    done: int = 0
+
+    def step_done(self, what: str) -> None:
+        self.done += 1
+        if self.options.progress is not None and dist.get_rank(self.control) == 0:
+            self.options.progress(what, self.done, self.total)
+
+
+@dataclass(frozen=True)
+class _Replicated:
+    """Step 1's times per token count (the slowest rank's medians): before the first layer, each layer, after
+    the last, the whole step."""
+
+    head: list[float]
+    layers: list[list[float]]
+    tail: list[float]
+    step: list[float]
+
+
+def _time_compute(run: _Run, timer: _LayerTimer, graphed: dict[int, _GraphedForward],
+                  compute: dict[int, Forward], forwards: dict[int, Forward], n_layers: int) -> _Replicated:
+    """Step 1: every layer's compute with resident weights, per token count."""
+    times = _Replicated([], [], [], [])
+    for t in run.options.tokens:
+        for _ in range(run.options.warmup):
+            compute[t]()
+        samples = [graphed[t].time() if graphed else timer.time(forwards[t]) for _ in range(run.options.iters)]
+        row = slowest([median([s[i] for s in samples]) for i in range(n_layers + 3)], run.control)
+        times.head.append(row[0])
+        times.layers.append(row[1:-2])
+        times.tail.append(row[-2])
+        times.step.append(row[-1])
+        run.step_done(f"compute at {t} tokens")
+    return times
+
+
+def _time_beside(run: _Run, g: LayerGatherer, compute: dict[int, Forward],
+                 alone_ms: list[float]) -> tuple[dict[int, float], float, list[float], list[float]]:
+    """Steps 2 and 3 for one backend: its gathers alone, then (κ, λ) per token count, each side timed while the
+    other runs beside it for its whole length."""
+    per_layer, gather_only = _gather_times(run.clock, g, run.options, run.control)
+    run.step_done(f"{g.backend_name} gathers")
+    kappa, lam = [], []
+    for t, alone in zip(run.options.tokens, alone_ms):
+        fwd = compute[t]
+        k = math.ceil(COVER * alone / gather_only) + 1 if gather_only > 0 else 1
+        m = math.ceil(COVER * gather_only / alone) + 1 if alone > 0 else 1
+        run.clock.beside(fwd, g.idle_step, k)  # warm-up of both together
+        reps = max(3, run.options.iters // 4)
+        with_gathers, with_compute = slowest([
+            median([run.clock.beside(fwd, g.idle_step, k) for _ in range(reps)]),
+            median([run.clock.beside(g.idle_step, fwd, m) for _ in range(reps)]),
+        ], run.control)
+        # Timing noise can make a run beside the other faster than alone; that is no speed-up.
+        kappa.append(max(0.0, with_gathers / alone - 1) if alone > 0 else 0.0)
+        lam.append(max(0.0, with_compute / gather_only - 1) if gather_only > 0 else 0.0)
+        run.step_done(f"{g.backend_name} beside compute at {t} tokens")
+    return per_layer, gather_only, kappa, lam
+
+
+def _time_sharded_steps(run: _Run, binding: Binding, g: LayerGatherer, forwards: dict[int, Forward],
+                        layer_modules: Sequence[nn.Module], graphed: bool, trace: bool) -> list[float]:
+    """Step 4 for one backend: the model bound to it, one step per token count (the slowest rank's medians)."""
+    bound = bind(binding.model, binding.shards, g)
+    sharded = []
+    for t in run.options.tokens:
+        fwd = _sharded_graph(forwards[t], run.clock.device, g.backend_name, run.control) if graphed else forwards[t]
+        for _ in range(run.options.warmup):
+            fwd()
+        sharded.append(median([run.clock.time_ms(fwd) for _ in range(run.options.iters)]))
+        del fwd  # a graph's memory goes before the next token count's
+        run.step_done(f"{g.backend_name} sharded step at {t} tokens")
+    if trace:
+        assert run.options.trace_path is not None
+        _trace_sharded_steps(forwards, layer_modules, run.clock, run.options.trace_path,
+                             dist.get_rank(run.control) == 0)
+    bound.remove()
+    return slowest(sharded, run.control)
+
+
+def _profile(shards: Any, options: ProfileOptions, replicated: _Replicated, backends: list[BackendTimes],
+             source: str, graphed: bool, eager_because: str) -> Profile:
+    sizes = {r.layer: r.total_bytes for r in shards.manifest.layers}
+    n_layers = len(replicated.layers[0]) if replicated.layers else 0
     return Profile(
-        world_size=manifest.world_size,
-        device=torch.cuda.get_device_name(shards.device) if clock.cuda else "cpu",
-        tokens=tokens,
-        layers=tuple(LayerTimes(i, tuple(row[i] for row in layer_ms), sizes.get(i))
-                     for i in range(len(layer_modules))),
-        head_ms=tuple(head),
-        tail_ms=tuple(tail),
-        replicated_step_ms=tuple(step),
+        world_size=shards.manifest.world_size,
+        device=torch.cuda.get_device_name(shards.device) if shards.device.type == "cuda" else "cpu",
+        tokens=options.tokens,
+        layers=tuple(LayerTimes(i, tuple(row[i] for row in replicated.layers), sizes.get(i))
+                     for i in range(n_layers)),
+        head_ms=tuple(replicated.head),
+        tail_ms=tuple(replicated.tail),
+        replicated_step_ms=tuple(replicated.step),
         backends=tuple(backends),
         iters=options.iters,
         dry_run=options.dry_run,
         source=source,
         environment=_environment(shards.device),
-        compute_mode="cuda-graph" if graphed_mode else "eager",
+        compute_mode="cuda-graph" if graphed else "eager",
         compute_mode_note=eager_because,
     )
 
