@@ -2,16 +2,18 @@
 fails as one HubError whose line says what happened.
 
 `plan` and `convert --dry-run` on a hub id read config.json, the index and each safetensors header by HTTP range
-(`header_source.py`). Whatever answers at HF_ENDPOINT is untrusted here: a mirror, a proxy or a captive portal may
+(`prep/header_source.py`). Whatever answers at HF_ENDPOINT is untrusted here: a mirror, a proxy or a captive portal may
 ignore `Range` and send a whole shard, compress a body into a bomb, stall, trickle a byte a second, never end a
 chunked body, loop on redirects, or answer 401, 403, 429 or 5xx for reasons of its own. The bounds:
 
 - Time: every request, from connecting to its last byte (redirects included), ends within `timeout_s`
   (SHARDPREP_HUB_TIMEOUT, default 30 s). A watchdog shuts the socket down at that deadline, so neither a
   stall nor a trickle (a byte now and then, which no per-read timeout catches) outlives it.
-- Bytes: a range request takes back at most the range it asked for. A 206 whose Content-Range is not that
-  range, or a 200 (the server ignored `Range`) longer than the range, is refused from its headers alone,
-  before a byte of its body is read; a body without a length is read up to one byte past its bound. A whole
+- Bytes: a range request takes back at most the range it asked for, or a whole small file. A 206 whose
+  Content-Range is not that range is refused from its headers alone, before a byte of its body is read. A 200
+  (the server ignored `Range`) is the whole file: taken, and the range cut from it, when the file is no longer
+  than WHOLE_ANSWER_BYTES (or the range), refused unread beyond it. A body without a length is read up to
+  one byte past its bound. A whole
   file (config.json, the index) is refused unread when its Content-Length is over its cap, and the read stops
   one byte past the cap otherwise. Bodies are asked for unencoded (`Accept-Encoding: identity`) and never
   decoded: a compressed answer is refused unread.
@@ -45,7 +47,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 
-from ..errors import HubError, SourceError
+from ...errors import HubError, SourceError
 
 TIMEOUT_ENV = "SHARDPREP_HUB_TIMEOUT"
 DEFAULT_TIMEOUT_S = 30.0
@@ -56,6 +58,10 @@ BACKOFF_S = (1.0, 2.0)
 MAX_REDIRECTS = 10
 READ_CHUNK = 64 << 10
 REDIRECT_BODY_BYTES = 64 << 10
+WHOLE_ANSWER_BYTES = 1 << 20
+"""A range read answered with the whole file (200: the server ignores Range) takes it when the file is no longer
+than this (or than the range): ten times a header's first read, so a small file served by a plain HTTP server
+is read, and a shard is not."""
 """A redirect's body is read (so that its connection can be used again) only up to this."""
 COMMIT = re.compile(r"[0-9a-f]{40}")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
@@ -347,26 +353,29 @@ class HubReader:
             if start != first or not start <= end <= last or (total is not None and end >= total):
                 raise HubError(f"{where}: asked for bytes {first}-{last}, {host} answered bytes {start}-{end} of "
                                f"{m[3]}; refused unread", reason="out_of_range")
-            expected: int | None = end - start + 1
+            expected = end - start + 1
             if length is not None and length != expected:
                 raise HubError(f"{where}: {host} announced bytes {start}-{end} in a body of {length} bytes",
                                reason="bad_answer")
-        else:  # 200: the server ignored Range, which only a whole file no longer than the range makes right
-            if first != 0 or (length is not None and length > nbytes):
+        else:  # 200: the server ignored Range and sends the whole file, an answer where it fits the budget
+            budget = max(nbytes, WHOLE_ANSWER_BYTES)
+            if length is not None and length > budget:
                 raise HubError(f"{where}: {host} answered a range request (bytes {first}-{last}) with the whole "
-                               f"file ({length if length is not None else 'of unknown length'} bytes); refused "
-                               "unread: the server (a mirror or proxy?) ignores Range", reason="out_of_range")
-            expected, total = length, None
-        data = self._read(response, (nbytes if expected is None else expected) + 1)
-        if len(data) > (nbytes if expected is None else expected):
-            if response.status == 200:
-                raise HubError(f"{where}: {host} answered a range request (bytes {first}-{last}) with more than the "
-                               "range: the server (a mirror or proxy?) ignores Range; stopped reading there",
-                               reason="out_of_range")
+                               f"file ({length} bytes, more than the {budget} a read of {nbytes} bytes may take); "
+                               "refused unread: the server (a mirror or proxy?) ignores Range", reason="out_of_range")
+            data = self._read(response, budget + 1 if length is None else length)
+            if len(data) > budget:
+                raise HubError(f"{where}: {host} answered a range request (bytes {first}-{last}) with more than "
+                               f"the {budget} bytes a read of {nbytes} bytes may take: the server (a mirror or "
+                               "proxy?) ignores Range; stopped reading there", reason="out_of_range")
+            self._check_complete(data, length, where, host)
+            return data[first:first + nbytes], len(data)
+        data = self._read(response, expected + 1)
+        if len(data) > expected:
             raise HubError(f"{where}: {host} sent more than the {expected} bytes it announced; stopped reading "
                            "there", reason="out_of_range")
         self._check_complete(data, expected, where, host)
-        return data, total if response.status == 206 else len(data)
+        return data, total
 
     @staticmethod
     def _check_complete(data: bytes, expected: int | None, where: str, host: str) -> None:
