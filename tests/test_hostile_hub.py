@@ -53,15 +53,6 @@ def run_cli(args, tmp_path, endpoint, *, env=None, cwd=None):
     return proc, time.monotonic() - t0
 
 
-def point_huggingface_hub_at(hub, monkeypatch):
-    """huggingface_hub in this process, already imported, sends its requests to `hub`."""
-    import huggingface_hub.constants as constants
-
-    monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                        hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-
-
 def assert_one_line(proc, fragment):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
@@ -128,7 +119,7 @@ def test_a_200_within_the_budget_is_the_answer(checkpoint_cache, tmp_path, monke
     assert len(data) == 107_800 < WHOLE_ANSWER_BYTES
     with FakeHub({"tiny-org/plain": repo}) as hub:
         hub.misbehave("blob.bin", whole_file(200))
-        point_huggingface_hub_at(hub, monkeypatch)
+        hub.serve_this_process(monkeypatch)
         reader = HubReader("tiny-org/plain", timeout_s=TIMEOUT_S)
         try:
             body = reader.fetch("blob.bin", None, first=0, nbytes=100_000)

@@ -73,7 +73,7 @@ def open_headers(src: str | Path, revision: str | None = None) -> SourceCheckpoi
         return cached
     reader = HubReader(repo_id)
     try:
-        return _open_hub_headers(reader, revision)
+        return open_hub_headers(reader, revision)
     except HubError as exc:
         if exc.reason not in ("dns", "unreachable"):
             raise
@@ -86,7 +86,12 @@ def open_headers(src: str | Path, revision: str | None = None) -> SourceCheckpoi
         reader.close()
 
 
-def _open_hub_headers(reader: HubReader, revision: str | None) -> SourceCheckpoint:
+def open_hub_headers(reader: HubReader, revision: str | None) -> SourceCheckpoint:
+    """The checkpoint of `reader`'s repo at `revision` from its headers alone, read by HTTP range at one commit
+    (the checkpoint's `commit`).
+
+    >>> ckpt = open_hub_headers(HubReader("deepseek-ai/DeepSeek-V3"), None)  # doctest: +SKIP
+    """
     repo_id = reader.repo_id
     config = reader.fetch("config.json", revision, cap=MAX_CONFIG_BYTES)
     # Every later read asks for the commit this one resolved the revision to, so that all come from one commit.

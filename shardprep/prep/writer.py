@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .._version import __version__
 from ..errors import OutputError
@@ -55,6 +55,15 @@ Progress = Callable[[int, int], None]
 """progress(bytes_done, bytes_total), called as work advances."""
 
 
+class SourceFeed(Protocol):
+    """Has each source file on disk while the writer reads it (`hub/stream.py`: a hub id, a layer at a time); it
+    writes each file's replicated part, with the function `start` gives it, before it drops the file."""
+
+    def start(self, write_file: Callable[[ReplicatedFile], tuple[bool, list[str]] | None]) -> None: ...
+    def before_layer(self, index: int) -> None: ...
+    def finish(self) -> dict[str, tuple[bool, list[str]] | None]: ...
+
+
 @dataclass(frozen=True)
 class WriteResult:
     """What the writer wrote besides the rank files."""
@@ -81,7 +90,7 @@ class _Tracker:
 
 
 def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
-               progress: Progress | None = None) -> WriteResult:
+               progress: Progress | None = None, feed: SourceFeed | None = None) -> WriteResult:
     """Write everything `plan` describes into the empty `directory`; the manifest goes last.
 
     >>> write_plan(make_plan(ckpt, 8, selection), Path("staging/"))  # doctest: +SKIP
@@ -96,9 +105,12 @@ def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
             # rank files; the others follow the rank files on this thread, in the order the requant
             # runner computes their tensors.
             early = {f.name: pool.submit(replicated.write, f) for f in plan.replicated
-                     if not replicated.takes_producers(f)}
-            records = _write_rank_files(directory, plan, producers, tracker, writeback)
-            results = {f.name: replicated.write(f) for f in plan.replicated if f.name not in early}
+                     if not replicated.takes_producers(f) and feed is None}
+            if feed is not None:
+                feed.start(replicated.write)
+            records = _write_rank_files(directory, plan, producers, tracker, writeback, feed)
+            results = (feed.finish() if feed is not None else
+                       {f.name: replicated.write(f) for f in plan.replicated if f.name not in early})
             results.update({name: future.result() for name, future in early.items()})
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -125,7 +137,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
 
 
 def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, Callable[[], Any]],
-                      tracker: _Tracker, writeback: Writeback) -> list[LayerRecord]:
+                      tracker: _Tracker, writeback: Writeback, feed: SourceFeed | None) -> list[LayerRecord]:
     # At most one rank file and a few source files are open at any time, whatever N: each rank file is
     # opened for its chunk of a layer and closed again (N·layers opens, each far cheaper than its write).
     ckpt, ranks = plan.source, plan.world_size
@@ -137,7 +149,9 @@ def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, C
     try:
         for path in paths:
             create_rank_file(path, plan.rank_header, plan.rank_file_bytes)
-        for lay, file_offset in zip(plan.layouts, plan.file_offsets):
+        for index, (lay, file_offset) in enumerate(zip(plan.layouts, plan.file_offsets)):
+            if feed is not None:
+                feed.before_layer(index)
             flat = buf[: lay.total_bytes]
             at = 0
             for e in lay.entries:

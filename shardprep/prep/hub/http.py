@@ -42,7 +42,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
@@ -58,6 +58,8 @@ BACKOFF_S = (1.0, 2.0)
 MAX_REDIRECTS = 10
 READ_CHUNK = 64 << 10
 REDIRECT_BODY_BYTES = 64 << 10
+DOWNLOAD_MIN_BYTES_PER_S = 1 << 20
+"""A whole shard's download may take the timeout plus its size at this rate: a stall or a trickle still ends."""
 WHOLE_ANSWER_BYTES = 1 << 20
 """A range read answered with the whole file (200: the server ignores Range) takes it when the file is no longer
 than this (or than the range): ten times a header's first read, so a small file served by a plain HTTP server
@@ -143,11 +145,37 @@ class HubReader:
               cap: int = 0) -> HubBody | None:
         """`nbytes` of file `name` from byte `first` (fewer at its end), or with `nbytes` None the whole file, at
         most `cap` bytes; None when the hub says it has no such file (404 EntryNotFound)."""
-        where = f"{self.repo_id}/{name}"
         url = self.url(name, revision)
+        return self._tries(lambda: self._fetch_once(url, f"{self.repo_id}/{name}", revision, first, nbytes, cap))
+
+    def fetch_api(self, path: str, cap: int) -> HubBody | None:
+        """The hub API's answer at `path` (below `/api/`), at most `cap` bytes; None for a 404 without a code.
+
+        >>> reader.fetch_api(f"models/{reader.repo_id}/tree/main?recursive=true", 16 << 20)  # doctest: +SKIP
+        """
+        url = f"{self.endpoint}/api/{path}"
+        return self._tries(lambda: self._fetch_once(url, f"{self.repo_id} (the hub's file list)", None, 0, None, cap))
+
+    def download(self, name: str, revision: str, size: int, sink: Callable[[bytes], None],
+                 restart: Callable[[], None]) -> HubBody | None:
+        """The whole file `name`, `size` bytes, handed to `sink` as it arrives; `restart` is called before each
+        try, so that a try after a body cut short starts again from byte 0. The time bound is the timeout plus
+        `size` at DOWNLOAD_MIN_BYTES_PER_S; None when the hub has no such file.
+
+        >>> reader.download("model-00001-of-00002.safetensors", commit, size, f.write, f.truncate)  # doctest: +SKIP
+        """
+        url = self.url(name, revision)
+        seconds = self.timeout_s + size / DOWNLOAD_MIN_BYTES_PER_S
+
+        def once() -> HubBody | None:
+            restart()
+            return self._fetch_once(url, f"{self.repo_id}/{name}", revision, 0, None, size, sink, seconds)
+        return self._tries(once)
+
+    def _tries(self, once: Callable[[], HubBody | None]) -> HubBody | None:
         for attempt in range(RETRIES + 1):
             try:
-                return self._fetch_once(url, where, revision, first, nbytes, cap)
+                return once()
             except _Retry as exc:
                 wait_s = exc.wait_s if exc.wait_s is not None else BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
                 if attempt == RETRIES:
@@ -167,8 +195,9 @@ class HubReader:
             self.fetched_bytes += n
 
     def _fetch_once(self, url: str, where: str, revision: str | None, first: int, nbytes: int | None,
-                    cap: int) -> HubBody | None:
-        deadline = time.monotonic() + self.timeout_s
+                    cap: int, sink: Callable[[bytes], None] | None = None,
+                    seconds: float | None = None) -> HubBody | None:
+        deadline = time.monotonic() + (self.timeout_s if seconds is None else seconds)
         headers = {**self._plain, "Accept-Encoding": "identity"}
         if nbytes is not None:
             headers["Range"] = f"bytes={first}-{first + nbytes - 1}"
@@ -185,6 +214,8 @@ class HubReader:
                         raise HubError(f"{where}: {_host(url)} redirects to a URL that is not http(s)",
                                        reason="bad_answer")
                     continue
+                if response.status in (200, 206) and sink is not None:
+                    return HubBody(b"", self._stream(response, url, where, cap, sink), commit)
                 if response.status in (200, 206):
                     data, size = self._body(response, url, where, first, nbytes, cap)
                     return HubBody(data, size, commit)
@@ -376,6 +407,34 @@ class HubReader:
                            "there", reason="out_of_range")
         self._check_complete(data, expected, where, host)
         return data, total
+
+    def _stream(self, response: http.client.HTTPResponse, url: str, where: str, size: int,
+                sink: Callable[[bytes], None]) -> int:
+        """A whole file of `size` bytes, each piece handed to `sink` as it arrives; never a byte past `size`."""
+        host = _host(url)
+        encoding = (response.getheader("Content-Encoding") or "identity").strip().lower()
+        if encoding != "identity" or response.status != 200:
+            raise HubError(f"{where}: {host} answered a request for the whole file with "
+                           f"{'a part of it (206)' if response.status == 206 else _printable(encoding) + ' encoding'}"
+                           "; refused unread", reason="bad_answer")
+        length = _int_header(response, "Content-Length")
+        if length is not None and length != size:
+            raise HubError(f"{where}: {host} announced {length} bytes, the hub's file list {size}; refused unread",
+                           reason="bad_answer")
+        done = 0
+        while done <= size:
+            chunk = response.read1(min(READ_CHUNK, size + 1 - done))
+            if not chunk:
+                break
+            done += len(chunk)
+            self._count(len(chunk))
+            if done > size:
+                raise HubError(f"{where}: {host} sent more than the {size} bytes of the file; stopped reading there",
+                               reason="out_of_range")
+            sink(chunk)
+        if done < size:
+            raise _Retry(f"{where}: {host} cut the answer short ({done} of {size} bytes)", "broken_body")
+        return done
 
     @staticmethod
     def _check_complete(data: bytes, expected: int | None, where: str, host: str) -> None:

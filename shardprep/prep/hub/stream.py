@@ -1,0 +1,291 @@
+"""`convert` of a hub repo id with bounded disk: the shard files are fetched as the writer needs them, each dropped
+once no layer still to be written reads it, so the disk holds the output plus the files of a layer or two, not the
+whole source beside the output.
+
+The writer writes the layers in order (`writer.write_plan`). Before each layer, `HubFeed.before_layer` drops the
+files that no later layer reads (after writing each one's replicated part: its non-target tensors, or the whole file
+hard-linked) and fetches the files this layer reads. Files that no layer reads are fetched, written and dropped one
+at a time before the first layer. config.json, the tokenizer and the other small files are fetched first and kept.
+
+Every file comes through `http.py`'s bounded client, at the commit the headers were read at, into a `.part` file
+that takes its name only once its size and checksum are right: the sha256 the hub lists for an LFS file
+(`lfs.oid` in the hub's file list), the git blob id for any other. A mismatch is one SourceError naming the file;
+the fetch directory and the staging directory are removed, and OUT is untouched.
+
+[Note: why not hf_hub_download] It writes into the HF cache (or a `local_dir` with its own metadata), retries and
+waits as its session does (see `http.py`), and does not check what it fetched against the sha256 it is given. The
+bounded client already reads this hub for `plan`; a whole-file download is one more kind of read for it, with its
+time bound scaled by the file's size.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ...errors import IntegrityError, SourceError
+from ...manifests.paths import is_safe_relpath
+from ...manifests.strict_json import parse_json
+from ..convert_plan import ConvertPlan, ReplicatedFile
+from ..header_source import open_hub_headers
+from ..source import INDEX_NAME, SourceCheckpoint
+from ..writer import disk_bytes
+from .cache import SNAPSHOT_PATTERNS
+from .http import HubReader
+
+FETCH_SUFFIX = ".shardprep-source"
+"""The fetch directory is OUT's hidden sibling, `.OUT.shardprep-source`: on OUT's filesystem, so that a file taken
+over whole is hard-linked into the output and costs no second copy."""
+MAX_LIST_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class RepoFile:
+    """One file in the hub's list of a repo at a commit: its size and the checksum it must have."""
+
+    path: str
+    size: int
+    sha256: str | None
+    """An LFS file's sha256 (the hub's `lfs.oid`); None for a file kept in git."""
+    git_oid: str
+    """The git blob id, sha1 of `blob <size>\\0` + the bytes: what a file kept in git is checked against."""
+
+
+def fetch_dir_for(out: Path) -> Path:
+    """Where a hub conversion into `out` keeps the source files it has fetched.
+
+    >>> fetch_dir_for(Path("models/out"))
+    PosixPath('models/.out.shardprep-source')
+    """
+    return out.parent / f".{out.name}{FETCH_SUFFIX}"
+
+
+def list_repo_files(reader: HubReader, commit: str) -> dict[str, RepoFile]:
+    """Every file of the repo at `commit`, from the hub's file list (`/api/models/REPO/tree/COMMIT`).
+
+    >>> files = list_repo_files(HubReader("deepseek-ai/DeepSeek-V3"), commit)  # doctest: +SKIP
+    >>> files["model-00001-of-000163.safetensors"].sha256  # doctest: +SKIP
+    """
+    where = f"{reader.repo_id} (the hub's file list at {commit})"
+    repo = urllib.parse.quote(reader.repo_id, safe="/")
+    body = reader.fetch_api(f"models/{repo}/tree/{commit}?recursive=true", MAX_LIST_BYTES)
+    if body is None:
+        raise SourceError(f"{where}: the hub has no file list for it; is HF_ENDPOINT a Hugging Face hub?")
+    try:
+        entries = parse_json(body.data, where)
+    except IntegrityError as exc:
+        raise SourceError(str(exc)) from None
+    if not isinstance(entries, list):
+        raise SourceError(f"{where}: not a list of files")
+    files = {}
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("type") == "directory":
+            continue
+        files[_checked_entry(entry, where)] = _repo_file(entry)
+    return files
+
+
+def _checked_entry(entry: Any, where: str) -> str:
+    ok = (isinstance(entry, dict) and isinstance(entry.get("path"), str) and _is_size(entry.get("size"))
+          and isinstance(entry.get("oid"), str))
+    lfs = entry.get("lfs") if ok else None
+    if ok and lfs is not None:
+        ok = isinstance(lfs, dict) and isinstance(lfs.get("oid"), str) and lfs.get("size") == entry["size"]
+    if not ok:
+        raise SourceError(f"{where}: an entry that is not a file with a path, a size and a checksum: "
+                          f"{json.dumps(entry)[:200]}")
+    if not is_safe_relpath(entry["path"]):
+        raise SourceError(f"{where}: file {entry['path']!r} is outside the model directory")
+    return str(entry["path"])
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _repo_file(entry: dict[str, Any]) -> RepoFile:
+    lfs = entry.get("lfs")
+    return RepoFile(entry["path"], entry["size"], lfs["oid"].lower() if lfs else None, entry["oid"].lower())
+
+
+@dataclass
+class HubSource:
+    """A hub repo opened for a streamed convert: its checkpoint (headers read by range, every file's path in
+    `fetch_dir`, where none is yet) and the hub's list of its files."""
+
+    reader: HubReader
+    checkpoint: SourceCheckpoint
+    files: dict[str, RepoFile]
+    fetch_dir: Path
+
+    def disk_bytes_needed(self, plan: ConvertPlan) -> int:
+        """What the output needs on disk (every file carried whole counted: its fetched copy becomes the output's)
+        plus the largest set of source files that one layer keeps on disk at once.
+
+        >>> source.disk_bytes_needed(plan)  # doctest: +SKIP
+        """
+        ckpt = plan.source
+        total = plan.world_size * disk_bytes(plan.rank_file_bytes)
+        for f in plan.replicated:
+            sf = ckpt.files[f.name]
+            if f.tensors is None:
+                total += disk_bytes(sf.size)
+            elif f.tensors:
+                header = min(ckpt.tensors[name].start for name in sf.tensors)
+                total += disk_bytes(header + sum(t.nbytes for t in f.tensors))
+        total += sum(disk_bytes(self.files[rel].size) for rel in plan.other_files)
+        total += disk_bytes(1024 * (len(ckpt.tensors) + 16))  # the index and the manifest
+        live = _LiveFiles(plan)
+        return total + max((sum(disk_bytes(ckpt.files[n].size) for n in live.needed_at(i))
+                            for i in range(len(plan.layouts))), default=0)
+
+    def feed(self, plan: ConvertPlan) -> HubFeed:
+        """What `write_plan` calls to have each file on disk while a layer reads it; creates `fetch_dir`."""
+        if self.fetch_dir.exists():  # a killed run's: under OUT's lock, no live conversion owns it
+            shutil.rmtree(self.fetch_dir)
+        self.fetch_dir.mkdir()
+        return HubFeed(self, plan)
+
+    def fetch(self, name: str) -> int:
+        """Fetch file `name` into `fetch_dir`, checked against the hub's checksum; its size."""
+        entry = self.files[name]
+        dest = self.fetch_dir / name
+        part = dest.with_name(dest.name + ".part")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        hasher = hashlib.sha256() if entry.sha256 else hashlib.sha1(b"blob %d\0" % entry.size)
+        with open(part, "wb") as f:
+            def restart() -> None:
+                nonlocal hasher
+                hasher = hashlib.sha256() if entry.sha256 else hashlib.sha1(b"blob %d\0" % entry.size)
+                f.seek(0)
+                f.truncate()
+
+            def sink(chunk: bytes) -> None:
+                hasher.update(chunk)
+                f.write(chunk)
+            body = self.reader.download(name, self.checkpoint.commit or "", entry.size, sink, restart)
+        if body is None:
+            part.unlink()
+            raise SourceError(f"{self.reader.repo_id}/{name}: in the hub's file list, but the hub does not have it")
+        expected = entry.sha256 or entry.git_oid
+        if hasher.hexdigest() != expected:
+            part.unlink()
+            kind = "sha256" if entry.sha256 else "git blob id"
+            raise SourceError(f"{self.reader.repo_id}/{name}: the fetched bytes' {kind} is {hasher.hexdigest()}, the "
+                              f"hub lists {expected}; refused (corrupted in transit, or the file changed)")
+        os.replace(part, dest)
+        return entry.size
+
+    def close(self) -> None:
+        """Remove the fetch directory and close the reader's connections."""
+        self.reader.close()
+        shutil.rmtree(self.fetch_dir, ignore_errors=True)
+
+
+def open_hub_source(repo_id: str, revision: str | None, out: Path) -> HubSource:
+    """The repo at `revision` opened for a streamed convert into `out`: headers by range, the file list, each
+    shard's size checked against the list; nothing written yet.
+
+    >>> source = open_hub_source("Qwen/Qwen3-30B-A3B", None, Path("out"))  # doctest: +SKIP
+    """
+    reader = HubReader(repo_id)
+    try:
+        ckpt = open_hub_headers(reader, revision)
+        assert ckpt.commit is not None  # open_hub_headers refuses an answer without one
+        files = list_repo_files(reader, ckpt.commit)
+    except BaseException:
+        reader.close()
+        raise
+    fetch_dir = fetch_dir_for(Path(os.path.abspath(out)))
+    for name, sf in ckpt.files.items():
+        listed = files.get(name)
+        if listed is None or listed.size != sf.size:
+            reader.close()
+            said = "is not in" if listed is None else f"has {listed.size} bytes in"
+            raise SourceError(f"{repo_id}/{name}: {sf.size} bytes by its header and the hub's answer, but it {said} "
+                              "the hub's file list")
+    other = sorted(p for p in files if p not in ckpt.files and p != INDEX_NAME and not p.endswith(".safetensors")
+                   and any(fnmatch.fnmatch(p, pattern) for pattern in SNAPSHOT_PATTERNS))
+    streamed = replace(ckpt, root=fetch_dir, other_files=other,
+                       files={n: replace(sf, path=fetch_dir / n) for n, sf in ckpt.files.items()})
+    return HubSource(reader, streamed, files, fetch_dir)
+
+
+class _LiveFiles:
+    """Which source files each layer reads, and the last layer that reads each (-1: none does)."""
+
+    def __init__(self, plan: ConvertPlan) -> None:
+        tensors = plan.source.tensors
+        self.reads = [sorted({tensors[e.name].file for e in lay.entries}) for lay in plan.layouts]
+        self.last = {name: -1 for name in plan.source.files}
+        for i, names in enumerate(self.reads):
+            for name in names:
+                self.last[name] = i
+
+    def needed_at(self, layer_index: int) -> set[str]:
+        """The files on disk while layer `layer_index` is written: those it reads."""
+        return set(self.reads[layer_index])
+
+
+class HubFeed:
+    """Has each source file on disk while the writer reads it, and only then (see the module docstring).
+
+    `peak_bytes` is the most source bytes on disk at once, the small files kept to the end included.
+    """
+
+    def __init__(self, source: HubSource, plan: ConvertPlan) -> None:
+        self.source, self.plan = source, plan
+        self.live = _LiveFiles(plan)
+        self.replicated = {f.name: f for f in plan.replicated}
+        self.local: dict[str, int] = {}
+        self.peak_bytes = 0
+        self.fetched: list[str] = []
+        self.results: dict[str, tuple[bool, list[str]] | None] = {}
+        self._write: Callable[[ReplicatedFile], tuple[bool, list[str]] | None] | None = None
+
+    def start(self, write_file: Callable[[ReplicatedFile], tuple[bool, list[str]] | None]) -> None:
+        """Fetch the small files, then each file no layer reads, one at a time, written with `write_file`."""
+        self._write = write_file
+        for rel in self.plan.other_files:
+            self._fetch(rel)
+        for name, last in self.live.last.items():
+            if last == -1:
+                self._fetch(name)
+                self._drop(name)
+
+    def before_layer(self, index: int) -> None:
+        """Drop the files no layer from `index` on reads, then fetch those layer `index` reads."""
+        for name in [n for n in self.local if n in self.live.last and self.live.last[n] < index]:
+            self._drop(name)
+        for name in self.live.reads[index]:
+            if name not in self.local:
+                self._fetch(name)
+
+    def finish(self) -> dict[str, tuple[bool, list[str]] | None]:
+        """Drop the shard files still on disk; each replicated file's result, as the writer's index needs it."""
+        for name in [n for n in self.local if n in self.live.last]:
+            self._drop(name)
+        return self.results
+
+    def _fetch(self, name: str) -> None:
+        self.local[name] = self.source.fetch(name)
+        self.fetched.append(name)
+        self.peak_bytes = max(self.peak_bytes, sum(self.local.values()))
+
+    def _drop(self, name: str) -> None:
+        assert self._write is not None
+        if name in self.replicated:
+            self.results[name] = self._write(self.replicated[name])
+        path = self.source.fetch_dir / name
+        if os.stat(path).st_nlink == 1:
+            os.truncate(path, 0)  # frees the blocks now, though the writer may still hold the file open
+        os.unlink(path)
+        del self.local[name]

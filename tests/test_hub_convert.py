@@ -1,0 +1,151 @@
+"""`convert` of a hub repo id fetches the source a layer at a time (prep/hub/stream.py): the disk holds the output
+plus a file or two of the source, what is fetched is checked against the hub's checksums, and the output is the
+one a conversion of the local directory gives.
+
+A local stand-in (tests/fake_hub.py) serves tiny checkpoints written by save_pretrained, sharded into many small
+files (`max_shard_size="40KB"`), so that a layer's tensors span files as they do in real checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from fake_hub import FakeHub, cut_short, flipped_byte
+
+from shardprep.manifests.manifest import MANIFEST_NAME
+from shardprep.prep.convert import convert
+from shardprep.prep.hub import stream
+
+REPO = "tiny-org/tiny-llama"
+ENV_DROPPED = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HF_ENDPOINT", "SHARDPREP_DEBUG")
+
+
+@pytest.fixture(scope="module")
+def src(checkpoint_cache):
+    return checkpoint_cache("llama", sharded=True, layers=4)
+
+
+@pytest.fixture(scope="module")
+def local_out(src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("local") / "out"
+    convert(src, out, 2, preset="llama")
+    return out
+
+
+def shard_sizes(src):
+    return {p.name: p.stat().st_size for p in src.glob("*.safetensors")}
+
+
+def disk_usage(directory):
+    """Blocks in use under `directory`, as `du` counts them."""
+    return sum(p.lstat().st_blocks * 512 for p in directory.rglob("*") if p.is_file())
+
+
+def assert_same_output(out, local_out):
+    """Every file byte for byte; the manifest apart from where the source came from."""
+    ours = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    theirs = sorted(p.relative_to(local_out).as_posix() for p in local_out.rglob("*") if p.is_file())
+    assert ours == theirs
+    for rel in ours:
+        if rel != MANIFEST_NAME:
+            assert (out / rel).read_bytes() == (local_out / rel).read_bytes(), rel
+    a, b = (json.loads((d / MANIFEST_NAME).read_text()) for d in (out, local_out))
+    assert a["source"]["repo_id"] == REPO and b["source"]["repo_id"] is None
+    for m in (a, b):
+        m.pop("source")
+        m.pop("created_at", None)
+        m.pop("manifest_xxh3_128")  # the manifest's checksum of itself, its source record included
+    assert a == b
+
+
+def test_convert_from_the_hub_holds_a_layer_of_source_on_disk_and_matches_a_local_convert(
+        src, local_out, tmp_path, monkeypatch):
+    sizes = shard_sizes(src)
+    assert len(sizes) >= 6, sizes  # enough files that holding them all would show
+    peaks = []
+    real_fetch = stream.HubSource.fetch
+
+    def measured_fetch(self, name):  # the fetch directory's real disk use, right after each fetch: its peaks
+        size = real_fetch(self, name)
+        peaks.append(disk_usage(self.fetch_dir))
+        return size
+
+    monkeypatch.setattr(stream.HubSource, "fetch", measured_fetch)
+    out = tmp_path / "out"
+    with FakeHub({REPO: src}) as hub:
+        hub.serve_this_process(monkeypatch)
+        summary = convert(REPO, out, 2, preset="llama")
+        fetched = {name: hub.fetched(name) for name in sizes}
+    assert_same_output(out, local_out)
+    assert fetched == {name: 1 for name in sizes}  # each shard downloaded once
+    small = sum(p.stat().st_size for p in src.iterdir() if not p.name.endswith(".safetensors"))
+    two_largest = sum(sorted(sizes.values())[-2:])
+    # The source on disk never exceeded the small files plus two shard files (a layer spans at most two here),
+    # block rounding included; the whole source is more than twice that.
+    assert max(peaks) <= small + two_largest + 4096 * (len(peaks) + 1), (max(peaks), small, two_largest)
+    assert sum(sizes.values()) > 2 * max(peaks)
+    assert summary.source_peak_bytes is not None and summary.source_peak_bytes <= max(peaks)
+    assert not stream.fetch_dir_for(out).exists()
+    print(f"source {sum(sizes.values())} B in {len(sizes)} files; peak on disk {max(peaks)} B "
+          f"(feed's count {summary.source_peak_bytes} B); output {disk_usage(out)} B")
+
+
+def run_cli(args, tmp_path, endpoint):
+    env = {k: v for k, v in os.environ.items() if k not in ENV_DROPPED}
+    env |= {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf-home"),
+            "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "SHARDPREP_HUB_TIMEOUT": "5"}
+    return subprocess.run([sys.executable, "-m", "shardprep", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def one_line(proc):
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    return lines[0]
+
+
+def assert_nothing_left(tmp_path):
+    """No output, no staging directory, no fetched source: nothing half-written anywhere."""
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == [".out.shardprep-lock"] or \
+        not any(p.name.startswith(".out") and not p.name.endswith("-lock") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("case", ["bytes flipped in transit", "a wrong sha256 in the file list"])
+def test_a_file_whose_bytes_do_not_match_its_sha256_is_refused_in_one_line(src, tmp_path, case):
+    name = sorted(shard_sizes(src))[2]
+    with FakeHub({REPO: src}) as hub:
+        if case == "bytes flipped in transit":
+            hub.misbehave(name, flipped_byte())
+        else:
+            hub.listed[name] = {"type": "file", "path": name, "size": shard_sizes(src)[name], "oid": "0" * 40,
+                                "lfs": {"oid": "ab" * 32, "size": shard_sizes(src)[name], "pointerSize": 134}}
+        proc = run_cli(["convert", REPO, tmp_path / "out", "--ranks", "2", "--preset", "llama"], tmp_path,
+                       hub.endpoint)
+    line = one_line(proc)
+    assert f"{REPO}/{name}: the fetched bytes' sha256 is" in line and "refused" in line, line
+    assert_nothing_left(tmp_path)
+
+
+def test_a_transfer_cut_in_the_middle_fails_in_one_line_and_leaves_nothing(src, tmp_path):
+    name = sorted(shard_sizes(src))[3]
+    with FakeHub({REPO: src}) as hub:
+        hub.misbehave(name, cut_short(), times=3)  # every try of the three
+        proc = run_cli(["convert", REPO, tmp_path / "out", "--ranks", "2", "--preset", "llama"], tmp_path,
+                       hub.endpoint)
+    assert "cut the answer short" in one_line(proc)
+    assert_nothing_left(tmp_path)
+
+
+def test_keep_source_downloads_the_snapshot_into_the_cache(src, local_out, tmp_path):
+    with FakeHub({REPO: src}) as hub:
+        proc = run_cli(["convert", REPO, tmp_path / "out", "--ranks", "2", "--preset", "llama", "--keep-source"],
+                       tmp_path, hub.endpoint)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_output(tmp_path / "out", local_out)
+    snapshots = list((tmp_path / "cache").glob("models--tiny-org--tiny-llama/snapshots/*"))
+    assert len(snapshots) == 1 and {p.name for p in snapshots[0].iterdir()} >= set(shard_sizes(src))
