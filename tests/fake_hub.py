@@ -329,9 +329,14 @@ def trickle(every_s: float = 1.0) -> Behaviour:
     return answer
 
 
-def cut_short() -> Behaviour:
-    """Announce the whole answer's length, send half of it, and close the connection."""
+def cut_short(downloads_only: bool = False) -> Behaviour:
+    """Announce the whole answer's length, send half of it, and close the connection; with `downloads_only`, only
+    a request for the whole file (a download, not a header's range read, which is answered rightly)."""
     def answer(hub: FakeHub, ask: Ask) -> None:
+        if downloads_only and ask.start is not None:
+            hub.head(ask.h, 206, {"Content-Length": ask.end - ask.start + 1, **_range(ask)})  # type: ignore[operator]
+            hub.send(ask.h, file_bytes(ask.path, ask.start, ask.end + 1))  # type: ignore[operator]
+            return
         first, last = (0, ask.size - 1) if ask.start is None else (ask.start, ask.end)
         length = last - first + 1
         hub.head(ask.h, 206 if ask.start is not None else 200, {"Content-Length": length, **_range(ask)})

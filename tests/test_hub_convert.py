@@ -16,6 +16,7 @@ import sys
 import pytest
 from fake_hub import FakeHub, cut_short, flipped_byte
 
+from shardprep.errors import HubError
 from shardprep.manifests.manifest import MANIFEST_NAME
 from shardprep.prep.convert import convert
 from shardprep.prep.hub import stream
@@ -40,9 +41,12 @@ def shard_sizes(src):
     return {p.name: p.stat().st_size for p in src.glob("*.safetensors")}
 
 
-def disk_usage(directory):
-    """Blocks in use under `directory`, as `du` counts them."""
-    return sum(p.lstat().st_blocks * 512 for p in directory.rglob("*") if p.is_file())
+def disk_usage(directory, *, beside_the_output=False):
+    """Blocks in use under `directory`, as `du` counts them; `beside_the_output`: only files no other directory
+    links to (what the fetch directory costs beyond the output: its hard links to the staging directory's rank
+    files and replicated files share their blocks)."""
+    stats = [p.lstat() for p in directory.rglob("*") if p.is_file()]
+    return sum(st.st_blocks * 512 for st in stats if not beside_the_output or st.st_nlink == 1)
 
 
 def assert_same_output(out, local_out):
@@ -71,7 +75,7 @@ def test_convert_from_the_hub_holds_a_layer_of_source_on_disk_and_matches_a_loca
 
     def measured_fetch(self, name):  # the fetch directory's real disk use, right after each fetch: its peaks
         size = real_fetch(self, name)
-        peaks.append(disk_usage(self.fetch_dir))
+        peaks.append(disk_usage(self.fetch_dir, beside_the_output=True))
         return size
 
     monkeypatch.setattr(stream.HubSource, "fetch", measured_fetch)
@@ -108,11 +112,13 @@ def one_line(proc):
     return lines[0]
 
 
-def assert_nothing_left(tmp_path):
-    """No output, no staging directory, no fetched source: nothing half-written anywhere."""
+def assert_nothing_half_written(tmp_path, refused):
+    """No output and no staging directory; what is kept for the next run to resume from holds no half-fetched
+    file and not the refused one."""
     assert not (tmp_path / "out").exists()
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == [".out.shardprep-lock"] or \
-        not any(p.name.startswith(".out") and not p.name.endswith("-lock") for p in tmp_path.iterdir())
+    assert not [p for p in tmp_path.iterdir() if ".shardprep-tmp-" in p.name]
+    kept = stream.fetch_dir_for(tmp_path / "out")
+    assert not list(kept.rglob("*.part")) and not (kept / refused).exists()
 
 
 @pytest.mark.parametrize("case", ["bytes flipped in transit", "a wrong sha256 in the file list"])
@@ -128,17 +134,50 @@ def test_a_file_whose_bytes_do_not_match_its_sha256_is_refused_in_one_line(src, 
                        hub.endpoint)
     line = one_line(proc)
     assert f"{REPO}/{name}: the fetched bytes' sha256 is" in line and "refused" in line, line
-    assert_nothing_left(tmp_path)
+    assert_nothing_half_written(tmp_path, name)
 
 
-def test_a_transfer_cut_in_the_middle_fails_in_one_line_and_leaves_nothing(src, tmp_path):
+def test_a_conversion_cut_in_the_middle_resumes_fetching_only_what_it_has_not_converted(
+        src, local_out, tmp_path, monkeypatch):
+    names = sorted(shard_sizes(src))
+    cut = names[len(names) // 2]
+    out = tmp_path / "out"
+    with FakeHub({REPO: src}) as hub:
+        hub.serve_this_process(monkeypatch)
+        hub.misbehave(cut, cut_short(downloads_only=True))  # every try: the transfer is cut in the middle, and the run fails
+        with pytest.raises(HubError, match=f"{cut}: .* cut the answer short"):
+            convert(REPO, out, 2, preset="llama")
+        first = {name: hub.fetched(name) for name in names}
+    assert_nothing_half_written(tmp_path, cut)
+    assert first[cut] == 3 and all(first[n] == 1 for n in names if n < cut)  # the files fetched, in layer order
+    kept = stream.fetch_dir_for(out)
+    recorded = json.loads((kept / "progress.json").read_text())
+    assert recorded["layers"], "layers were written before the cut"
+    # Converted: each file whose replicated part is recorded. Fetched and checked, not yet converted: the files
+    # still in the fetch directory (a file takes its name only once checked). Neither is fetched again.
+    converted, on_disk = set(recorded["files"]), {n for n in names if (kept / n).is_file()}
+    assert cut not in converted | on_disk and len(converted) >= 3, (converted, on_disk)
+    with FakeHub({REPO: src}) as hub:
+        hub.serve_this_process(monkeypatch)
+        convert(REPO, out, 2, preset="llama")
+        second = {name: hub.fetched(name) for name in names}
+    # Only what the first run had not converted (nor kept) is fetched again, each once; the cut file among them.
+    assert second == {name: int(name not in converted | on_disk) for name in names}, (first, second, converted)
+    assert second[cut] == 1
+    print(f"cut at {cut}: first run wrote {len(recorded['layers'])} layers, converted {len(converted)} files, "
+          f"kept {len(on_disk)}; second run fetched {sum(second.values())} of {len(names)} shard files")
+    assert_same_output(out, local_out)
+    assert not stream.fetch_dir_for(out).exists()
+
+
+def test_a_transfer_cut_in_the_middle_is_one_line_from_the_cli(src, tmp_path):
     name = sorted(shard_sizes(src))[3]
     with FakeHub({REPO: src}) as hub:
-        hub.misbehave(name, cut_short(), times=3)  # every try of the three
+        hub.misbehave(name, cut_short())
         proc = run_cli(["convert", REPO, tmp_path / "out", "--ranks", "2", "--preset", "llama"], tmp_path,
                        hub.endpoint)
     assert "cut the answer short" in one_line(proc)
-    assert_nothing_left(tmp_path)
+    assert_nothing_half_written(tmp_path, name)
 
 
 def test_keep_source_downloads_the_snapshot_into_the_cache(src, local_out, tmp_path):

@@ -32,7 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import IntegrityError, SourceError
+from ...manifests.checksums import digest
+from ...manifests.layout import chunk_range
+from ...manifests.manifest import rank_file_name
 from ...manifests.paths import is_safe_relpath
+from ...manifests.records import LayerRecord
 from ...manifests.strict_json import parse_json
 from ..convert_plan import ConvertPlan, ReplicatedFile
 from ..header_source import open_hub_headers
@@ -148,11 +152,17 @@ class HubSource:
                             for i in range(len(plan.layouts))), default=0)
 
     def feed(self, plan: ConvertPlan) -> HubFeed:
-        """What `write_plan` calls to have each file on disk while a layer reads it; creates `fetch_dir`."""
-        if self.fetch_dir.exists():  # a killed run's: under OUT's lock, no live conversion owns it
-            shutil.rmtree(self.fetch_dir)
-        self.fetch_dir.mkdir()
-        return HubFeed(self, plan)
+        """What `write_plan` calls to have each file on disk while a layer reads it. An interrupted conversion of
+        the same plan at the same commit is resumed from `fetch_dir`; anything else there is removed first."""
+        state = _ResumeState.load(self.fetch_dir, plan)
+        if state is None:
+            if self.fetch_dir.exists():  # another plan's, or a run's from before it recorded anything
+                shutil.rmtree(self.fetch_dir)
+            self.fetch_dir.mkdir()
+            state = _ResumeState(self.fetch_dir, plan, [], {})
+        for part in self.fetch_dir.rglob("*.part"):  # a killed run's half-fetched file: fetched again
+            part.unlink()
+        return HubFeed(self, plan, state)
 
     def fetch(self, name: str) -> int:
         """Fetch file `name` into `fetch_dir`, checked against the hub's checksum; its size."""
@@ -184,10 +194,15 @@ class HubSource:
         os.replace(part, dest)
         return entry.size
 
-    def close(self) -> None:
-        """Remove the fetch directory and close the reader's connections."""
+    def close(self, *, keep: bool) -> None:
+        """Close the reader's connections; remove the fetch directory unless `keep` (what a failed run has
+        converted, for the next run to resume from; a file half-fetched is never kept)."""
         self.reader.close()
-        shutil.rmtree(self.fetch_dir, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(self.fetch_dir, ignore_errors=True)
+        elif self.fetch_dir.is_dir():
+            for part in self.fetch_dir.rglob("*.part"):
+                part.unlink()
 
 
 def open_hub_source(repo_id: str, revision: str | None, out: Path) -> HubSource:
@@ -235,57 +250,166 @@ class _LiveFiles:
         return set(self.reads[layer_index])
 
 
-class HubFeed:
-    """Has each source file on disk while the writer reads it, and only then (see the module docstring).
+class _ResumeState:
+    """What a conversion has written so far, recorded in `fetch_dir` so that an interrupted run resumes: the
+    rank files (hard links to the staging directory's, which the next run's staging takes back), each finished
+    layer's chunk checksums, and the replicated files written. `progress.json`, replaced atomically after each
+    layer, is the record; it counts only for the same plan at the same commit (`key`)."""
 
-    `peak_bytes` is the most source bytes on disk at once, the small files kept to the end included.
+    RECORD = "progress.json"
+    SAVED = "written"
+
+    def __init__(self, fetch_dir: Path, plan: ConvertPlan, layers: list[tuple[str, ...]],
+                 files: dict[str, tuple[bool, list[str]] | None]) -> None:
+        self.fetch_dir, self.plan, self.layers, self.files = fetch_dir, plan, layers, files
+        self.saved = fetch_dir / self.SAVED
+
+    @staticmethod
+    def key(plan: ConvertPlan) -> str:
+        ckpt = plan.source
+        facts = {"repo": ckpt.repo_id, "commit": ckpt.commit, "plan": plan.describe(),
+                 "header": hashlib.sha256(plan.rank_header).hexdigest(), "offsets": list(plan.file_offsets)}
+        return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+
+    @classmethod
+    def load(cls, fetch_dir: Path, plan: ConvertPlan) -> _ResumeState | None:
+        """The record of an interrupted run of this plan, its layers checked against the rank files (the first
+        whose chunks do not match, and every later one, are written again); None when there is none."""
+        try:
+            record = json.loads((fetch_dir / cls.RECORD).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(record, dict) or record.get("key") != cls.key(plan):
+            return None
+        state = cls(fetch_dir, plan, [tuple(sums) for sums in record["layers"]],
+                    {name: None if r is None else (bool(r[0]), list(r[1])) for name, r in record["files"].items()})
+        state.layers = state.layers[:state.intact_layers()]
+        return state
+
+    def intact_layers(self) -> int:
+        """How many of the recorded layers the saved rank files hold, by their chunks' checksums."""
+        ranks = self.plan.world_size
+        for i, sums in enumerate(self.layers):
+            lay, file_offset = self.plan.layouts[i], self.plan.file_offsets[i]
+            for r in range(ranks):
+                lo, hi = chunk_range(r, lay.chunk_bytes)
+                try:
+                    with open(self.saved / rank_file_name(r, ranks), "rb") as f:
+                        f.seek(file_offset)
+                        if digest(f.read(hi - lo)) != sums[r]:
+                            return i
+                except OSError:
+                    return i
+        return len(self.layers)
+
+    def save(self, records: list[LayerRecord] | None = None) -> None:
+        """Record the layers written so far (`records`; None: those recorded already) and the replicated files."""
+        if records is not None:
+            self.layers = [record.checksums for record in records]
+        text = json.dumps({"key": self.key(self.plan), "layers": self.layers, "files": self.files})
+        part = self.fetch_dir / (self.RECORD + ".part")
+        part.write_text(text)
+        os.replace(part, self.fetch_dir / self.RECORD)
+
+    def record(self, layer: int) -> LayerRecord:
+        return LayerRecord.from_layout(self.plan.layouts[layer], self.plan.file_offsets[layer], self.layers[layer])
+
+
+class HubFeed:
+    """Has each source file on disk while the writer reads it, and only then (see the module docstring); records
+    what is written so that an interrupted run resumes (`_ResumeState`).
+
+    `peak_bytes` is the most source bytes on disk at once, the small files kept to the end included; `fetched`
+    the files fetched, in order.
     """
 
-    def __init__(self, source: HubSource, plan: ConvertPlan) -> None:
-        self.source, self.plan = source, plan
+    def __init__(self, source: HubSource, plan: ConvertPlan, state: _ResumeState) -> None:
+        self.source, self.plan, self.state = source, plan, state
         self.live = _LiveFiles(plan)
         self.replicated = {f.name: f for f in plan.replicated}
-        self.local: dict[str, int] = {}
-        self.peak_bytes = 0
+        # Files a previous run fetched and checked (a file takes its name only once checked) are used again.
+        self.local = {name: (source.fetch_dir / name).stat().st_size for name in (*plan.source.files,
+                      *plan.other_files) if (source.fetch_dir / name).is_file()}
+        self.peak_bytes = sum(self.local.values())
         self.fetched: list[str] = []
-        self.results: dict[str, tuple[bool, list[str]] | None] = {}
+        self._directory: Path | None = None
         self._write: Callable[[ReplicatedFile], tuple[bool, list[str]] | None] | None = None
 
-    def start(self, write_file: Callable[[ReplicatedFile], tuple[bool, list[str]] | None]) -> None:
-        """Fetch the small files, then each file no layer reads, one at a time, written with `write_file`."""
-        self._write = write_file
+    def start(self, directory: Path, write_file: Callable[[ReplicatedFile], tuple[bool, list[str]] | None]) -> None:
+        """Take back what a previous run wrote, fetch the small files, then each file no layer reads, one at a
+        time, written with `write_file`."""
+        self._directory, self._write = directory, write_file
+        self._take_back(directory)
         for rel in self.plan.other_files:
-            self._fetch(rel)
+            if rel not in self.local:
+                self._fetch(rel)
         for name, last in self.live.last.items():
             if last == -1:
-                self._fetch(name)
-                self._drop(name)
+                self._settle(name)
 
-    def before_layer(self, index: int) -> None:
-        """Drop the files no layer from `index` on reads, then fetch those layer `index` reads."""
-        for name in [n for n in self.local if n in self.live.last and self.live.last[n] < index]:
-            self._drop(name)
+    def before_layer(self, index: int, written: list[LayerRecord]) -> LayerRecord | None:
+        """Record the layers written, settle the files no layer from `index` on reads, then fetch those layer
+        `index` reads; the layer's record instead where a previous run wrote it."""
+        if index == 0:
+            self._save_rank_files()
+        if len(written) > len(self.state.layers):
+            self.state.save(written)
+        for name in [n for n, last in self.live.last.items() if -1 < last < index]:
+            self._settle(name)
+        if index < len(self.state.layers):
+            return self.state.record(index)
         for name in self.live.reads[index]:
             if name not in self.local:
                 self._fetch(name)
+        return None
 
     def finish(self) -> dict[str, tuple[bool, list[str]] | None]:
-        """Drop the shard files still on disk; each replicated file's result, as the writer's index needs it."""
-        for name in [n for n in self.local if n in self.live.last]:
-            self._drop(name)
-        return self.results
+        """Settle the shard files still to be written; each replicated file's result, as the writer's index
+        needs it."""
+        for name in self.live.last:
+            self._settle(name)
+        return dict(self.state.files)
+
+    def _take_back(self, directory: Path) -> None:
+        """The saved rank files and replicated files, hard-linked into the staging `directory`."""
+        saved = self.state.saved
+        if saved.is_dir():
+            for path in saved.rglob("*"):
+                if path.is_file():
+                    dest = directory / path.relative_to(saved)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    os.link(path, dest)
+
+    def _save_rank_files(self) -> None:
+        assert self._directory is not None
+        for r in range(self.plan.world_size):
+            path = self.state.saved / rank_file_name(r, self.plan.world_size)
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                os.link(self._directory / rank_file_name(r, self.plan.world_size), path)
 
     def _fetch(self, name: str) -> None:
         self.local[name] = self.source.fetch(name)
         self.fetched.append(name)
         self.peak_bytes = max(self.peak_bytes, sum(self.local.values()))
 
-    def _drop(self, name: str) -> None:
-        assert self._write is not None
-        if name in self.replicated:
-            self.results[name] = self._write(self.replicated[name])
-        path = self.source.fetch_dir / name
-        if os.stat(path).st_nlink == 1:
-            os.truncate(path, 0)  # frees the blocks now, though the writer may still hold the file open
-        os.unlink(path)
-        del self.local[name]
+    def _settle(self, name: str) -> None:
+        """Write file `name`'s replicated part unless written already (fetching it where a previous run dropped
+        it before recording that), then drop it."""
+        assert self._write is not None and self._directory is not None
+        if name not in self.state.files:
+            if name not in self.local:
+                self._fetch(name)
+            result = self._write(self.replicated[name]) if name in self.replicated else None
+            out_name = self.replicated[name].out_name if name in self.replicated else ""
+            if result is not None:  # saved before it is recorded: a record never names a file not saved
+                (self.state.saved / out_name).parent.mkdir(parents=True, exist_ok=True)
+                os.link(self._directory / out_name, self.state.saved / out_name)
+            self.state.files[name] = result
+            self.state.save()
+        if name in self.local:
+            path = self.source.fetch_dir / name
+            if os.stat(path).st_nlink == 1:
+                os.truncate(path, 0)  # frees the blocks now, though the writer may still hold the file open
+            os.unlink(path)
+            del self.local[name]
