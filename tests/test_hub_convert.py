@@ -144,7 +144,7 @@ def test_a_conversion_cut_in_the_middle_resumes_fetching_only_what_it_has_not_co
     out = tmp_path / "out"
     with FakeHub({REPO: src}) as hub:
         hub.serve_this_process(monkeypatch)
-        hub.misbehave(cut, cut_short(downloads_only=True))  # every try: the transfer is cut in the middle, and the run fails
+        hub.misbehave(cut, cut_short(downloads_only=True))  # every try: the download is cut, and the run fails
         with pytest.raises(HubError, match=f"{cut}: .* cut the answer short"):
             convert(REPO, out, 2, preset="llama")
         first = {name: hub.fetched(name) for name in names}
