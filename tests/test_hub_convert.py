@@ -17,7 +17,7 @@ import pytest
 from fake_hub import FakeHub, cut_short, flipped_byte
 
 from shardprep.errors import HubError
-from shardprep.manifests.manifest import MANIFEST_NAME
+from shardprep.manifests.manifest import MANIFEST_NAME, load_manifest, rank_file_name
 from shardprep.prep.convert import convert
 from shardprep.prep.hub import stream
 
@@ -168,6 +168,36 @@ def test_a_conversion_cut_in_the_middle_resumes_fetching_only_what_it_has_not_co
           f"kept {len(on_disk)}; second run fetched {sum(second.values())} of {len(names)} shard files")
     assert_same_output(out, local_out)
     assert not stream.fetch_dir_for(out).exists()
+
+
+def test_a_saved_layer_whose_chunk_does_not_match_its_checksum_is_written_again(src, local_out, tmp_path,
+                                                                                monkeypatch):
+    # The rank files a failed run kept are checked before they are taken back: a layer whose chunk changed on
+    # disk since (a crash before the page cache reached it) is written again from its source, not published.
+    names = sorted(shard_sizes(src))
+    out = tmp_path / "out"
+    with FakeHub({REPO: src}) as hub:
+        hub.serve_this_process(monkeypatch)
+        hub.misbehave(names[len(names) // 2], cut_short(downloads_only=True))
+        with pytest.raises(HubError):
+            convert(REPO, out, 2, preset="llama")
+    kept = stream.fetch_dir_for(out)
+    assert json.loads((kept / "progress.json").read_text())["layers"]
+    first_layer = load_manifest(local_out).layers[0]
+    saved = kept / "written" / rank_file_name(0, 2)
+    with open(saved, "r+b") as f:
+        f.seek(first_layer.file_offset)
+        byte = f.read(1)
+        f.seek(first_layer.file_offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with FakeHub({REPO: src}) as hub:
+        hub.serve_this_process(monkeypatch)
+        convert(REPO, out, 2, preset="llama")
+        again = [n for n in names if hub.fetched(n)]
+    assert_same_output(out, local_out)
+    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    layer_files = {weight_map[e.name] for e in first_layer.entries}
+    assert layer_files and layer_files <= set(again), (layer_files, again)  # fetched again to write the layer
 
 
 def test_a_transfer_cut_in_the_middle_is_one_line_from_the_cli(src, tmp_path):

@@ -163,7 +163,6 @@ def _convert_streamed(repo_id: str, out: Path, ranks: int, mode: CopyMode, t0: f
     """`convert` of a hub id with bounded disk (`hub/stream.py`)."""
     check_output_dir(out, [], overwrite)  # before a byte is fetched; again under the lock
     source = open_hub_source(repo_id, revision, out)
-    converted = False
     try:
         plan = _plan(source.checkpoint, repo_id, ranks, targets, preset, layers, layer_pattern, requant,
                      chunk_alignment, allow_preset_mismatch)
@@ -173,11 +172,16 @@ def _convert_streamed(repo_id: str, out: Path, ranks: int, mode: CopyMode, t0: f
                               "--requant none to keep the scales as they are)")
         with staged_output(out, inputs=[source.fetch_dir], overwrite=overwrite,
                            needed_bytes=source.disk_bytes_needed(plan)) as tmp:
-            feed = source.feed(plan)
-            result = write_plan(plan, tmp, mode.value, progress, feed)
-        converted = True
+            # The fetch directory is touched under OUT's lock only, so no other conversion into OUT shares it.
+            try:
+                feed = source.feed(plan)
+                result = write_plan(plan, tmp, mode.value, progress, feed)
+            except BaseException:
+                source.close(keep=True)  # what was converted, for the next run to resume from
+                raise
+            source.close(keep=False)
     finally:
-        source.close(keep=not converted)  # what a failed run converted: the next run resumes from it
+        source.reader.close()
     summary = _summary(out, plan, t0, linked=result.linked_files, copied=result.copied_files,
                        replicated_tensors=result.replicated_tensors, replicated_bytes=result.replicated_bytes)
     return replace(summary, source_peak_bytes=feed.peak_bytes)

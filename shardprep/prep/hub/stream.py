@@ -62,6 +62,10 @@ class RepoFile:
     git_oid: str
     """The git blob id, sha1 of `blob <size>\\0` + the bytes: what a file kept in git is checked against."""
 
+    def new_hasher(self) -> Any:
+        """A hash of what the file's checksum is of, fed nothing yet: sha256, or git's sha1 after its blob header."""
+        return hashlib.sha256() if self.sha256 else hashlib.sha1(b"blob %d\0" % self.size)
+
 
 def fetch_dir_for(out: Path) -> Path:
     """Where a hub conversion into `out` keeps the source files it has fetched.
@@ -170,11 +174,11 @@ class HubSource:
         dest = self.fetch_dir / name
         part = dest.with_name(dest.name + ".part")
         dest.parent.mkdir(parents=True, exist_ok=True)
-        hasher = hashlib.sha256() if entry.sha256 else hashlib.sha1(b"blob %d\0" % entry.size)
+        hasher = entry.new_hasher()
         with open(part, "wb") as f:
             def restart() -> None:
                 nonlocal hasher
-                hasher = hashlib.sha256() if entry.sha256 else hashlib.sha1(b"blob %d\0" % entry.size)
+                hasher = entry.new_hasher()
                 f.seek(0)
                 f.truncate()
 
@@ -277,13 +281,13 @@ class _ResumeState:
         whose chunks do not match, and every later one, are written again); None when there is none."""
         try:
             record = json.loads((fetch_dir / cls.RECORD).read_text())
-        except (OSError, ValueError):
+            if record.get("key") != cls.key(plan):
+                return None
+            state = cls(fetch_dir, plan, [tuple(sums) for sums in record["layers"]],
+                        {name: None if r is None else (bool(r[0]), list(r[1])) for name, r in record["files"].items()})
+            state.layers = state.layers[:state.intact_layers()]
+        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):  # none, or not one of ours
             return None
-        if not isinstance(record, dict) or record.get("key") != cls.key(plan):
-            return None
-        state = cls(fetch_dir, plan, [tuple(sums) for sums in record["layers"]],
-                    {name: None if r is None else (bool(r[0]), list(r[1])) for name, r in record["files"].items()})
-        state.layers = state.layers[:state.intact_layers()]
         return state
 
     def intact_layers(self) -> int:
