@@ -200,6 +200,20 @@ def test_a_saved_layer_whose_chunk_does_not_match_its_checksum_is_written_again(
     assert layer_files and layer_files <= set(again), (layer_files, again)  # fetched again to write the layer
 
 
+def test_a_shard_whose_listed_size_differs_from_its_header_is_refused_before_any_download(src, tmp_path):
+    name = sorted(shard_sizes(src))[1]
+    size = shard_sizes(src)[name]
+    with FakeHub({REPO: src}) as hub:
+        hub.listed[name] = {"type": "file", "path": name, "size": size + 1, "oid": "0" * 40,
+                            "lfs": {"oid": "ab" * 32, "size": size + 1, "pointerSize": 134}}
+        proc = run_cli(["convert", REPO, tmp_path / "out", "--ranks", "2", "--preset", "llama"], tmp_path,
+                       hub.endpoint)
+        downloads = hub.fetched("*.safetensors")
+    line = one_line(proc)
+    assert f"{REPO}/{name}: {size} bytes by its header" in line and f"has {size + 1} bytes in" in line, line
+    assert downloads == 0 and not (tmp_path / "out").exists()
+
+
 def test_a_transfer_cut_in_the_middle_is_one_line_from_the_cli(src, tmp_path):
     name = sorted(shard_sizes(src))[3]
     with FakeHub({REPO: src}) as hub:
