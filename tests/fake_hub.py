@@ -4,11 +4,14 @@ Point huggingface_hub at it with HF_ENDPOINT. It serves each repo from a local d
 what `hf_hub_download` asks (X-Repo-Commit, ETag, Content-Length) and range requests with 206 and Content-Range,
 keeps connections alive (HTTP/1.1) as the hub does, and refuses to send a whole file of more than
 WHOLE_FILE_LIMIT bytes, so a client that downloads weights fails at once instead of streaming gigabytes of holes.
+It also answers the hub's API as far as a conversion asks it: the list of a repo's files with each one's size,
+git blob id and, for weights, LFS sha256 (`/api/models/REPO/tree/REV`; `listed` makes an entry lie), and the
+repo's commit and files (`/api/models/REPO/revision/REV`, what `snapshot_download` asks first).
 
 It can also misbehave on purpose, as a mirror, a proxy or a captive portal might (`misbehave(pattern, how)`):
-ignore Range, compress a body into a bomb, never end a chunked body, stall, trickle, cut a body short, loop on
-redirects, or answer any status. Every body byte it sends is counted in `sent_bytes` as it is accepted by the
-socket, so a test sees what a client made it send, not what it would have sent.
+ignore Range, compress a body into a bomb, never end a chunked body, stall, trickle, cut a body short, flip a
+byte, loop on redirects, or answer any status. Every body byte it sends is counted in `sent_bytes` as it is
+accepted by the socket, so a test sees what a client made it send, not what it would have sent.
 """
 
 from __future__ import annotations

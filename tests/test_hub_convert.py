@@ -224,6 +224,19 @@ def test_a_transfer_cut_in_the_middle_is_one_line_from_the_cli(src, tmp_path):
     assert_nothing_half_written(tmp_path, name)
 
 
+def test_the_cli_says_what_it_fetched_and_the_peak_on_disk(src, tmp_path):
+    with FakeHub({REPO: src}) as hub:
+        proc = run_cli(["convert", REPO, tmp_path / "out", "--ranks", "2", "--preset", "llama"], tmp_path,
+                       hub.endpoint)
+        again = run_cli(["convert", REPO, tmp_path / "out2", "--ranks", "2", "--preset", "llama", "--json"],
+                        tmp_path, hub.endpoint)
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("fetched ") and "a layer at a time: at most" in last, proc.stdout
+    summary = json.loads(again.stdout)
+    assert 0 < summary["source_peak_bytes"] < sum(shard_sizes(src).values()) < summary["fetched_bytes"]
+
+
 def test_keep_source_downloads_the_snapshot_into_the_cache(src, local_out, tmp_path):
     with FakeHub({REPO: src}) as hub:
         proc = run_cli(["convert", REPO, tmp_path / "out", "--ranks", "2", "--preset", "llama", "--keep-source"],

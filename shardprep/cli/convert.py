@@ -106,6 +106,9 @@ def convert_command(
         )
         if summary.quantization:
             typer.echo(_requant_line(summary))
+        if summary.source_peak_bytes is not None:
+            typer.echo(f"fetched {human_bytes(summary.fetched_bytes or 0)} from the hub, a layer at a time: at most "
+                       f"{human_bytes(summary.source_peak_bytes)} of the source on disk at once")
 
 
 def _requant_line(summary: ConvertSummary) -> str:

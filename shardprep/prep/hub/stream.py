@@ -186,6 +186,8 @@ class HubSource:
                 hasher.update(chunk)
                 f.write(chunk)
             body = self.reader.download(name, self.checkpoint.commit or "", entry.size, sink, restart)
+            f.flush()
+            os.fsync(f.fileno())  # a file under its name is whole and checked, after a crash too: a resume uses it
         if body is None:
             part.unlink()
             raise SourceError(f"{self.reader.repo_id}/{name}: in the hub's file list, but the hub does not have it")
@@ -312,7 +314,10 @@ class _ResumeState:
             self.layers = [record.checksums for record in records]
         text = json.dumps({"key": self.key(self.plan), "layers": self.layers, "files": self.files})
         part = self.fetch_dir / (self.RECORD + ".part")
-        part.write_text(text)
+        with open(part, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(part, self.fetch_dir / self.RECORD)
 
     def record(self, layer: int) -> LayerRecord:
@@ -406,9 +411,14 @@ class HubFeed:
                 self._fetch(name)
             result = self._write(self.replicated[name]) if name in self.replicated else None
             out_name = self.replicated[name].out_name if name in self.replicated else ""
-            if result is not None:  # saved before it is recorded: a record never names a file not saved
+            if result is not None:  # saved, and on disk, before it is recorded: a record names only whole files
                 (self.state.saved / out_name).parent.mkdir(parents=True, exist_ok=True)
                 os.link(self._directory / out_name, self.state.saved / out_name)
+                fd = os.open(self.state.saved / out_name, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             self.state.files[name] = result
             self.state.save()
         if name in self.local:
