@@ -61,6 +61,7 @@ class FakeHub:
                  tokens: dict[str, str] | None = None) -> None:
         self.repos, self.commit, self.tokens = repos, commit, tokens or {}
         self.listed: dict[str, dict[str, object]] = {}  # entries of the file list that lie (a wrong sha256), by path
+        self.page_size: int | None = None  # files per page of the file list (None: one page)
         self.sent_bytes = 0
         self.requests: list[tuple[str, str, str | None]] = []
         self.authorizations: list[str | None] = []
@@ -122,7 +123,7 @@ class FakeHub:
         tree = _TREE.match(unquote(h.path.split("?")[0]))
         if tree and tree["repo"] in self.repos and tree["rev"] in ("main", self.commit):
             if tree["what"] == "tree":
-                return self._answer_tree(h, self.repos[tree["repo"]], body)
+                return self._answer_tree(h, self.repos[tree["repo"]], body, _cursor(h.path))
             return self._answer_info(h, self.repos[tree["repo"]], body)
         m = _RESOLVE.match(unquote(h.path.split("?")[0]))
         repo = self.repos.get(m["repo"]) if m else None
@@ -166,7 +167,7 @@ class FakeHub:
         return sum(1 for cmd, p, rng in self.requests if cmd == "GET" and rng is None and "/resolve/" in p
                    and fnmatch.fnmatch(unquote(p).rpartition("/")[2], pattern))
 
-    def _answer_tree(self, h: BaseHTTPRequestHandler, repo: Path, body: bool) -> None:
+    def _answer_tree(self, h: BaseHTTPRequestHandler, repo: Path, body: bool, cursor: int) -> None:
         """The hub's list of a repo's files (`/api/models/REPO/tree/REV?recursive=true`), with each file's git
         blob id and, for an LFS file, its sha256 (`lfs.oid`), as huggingface_hub's `list_repo_tree` reads it."""
         entries = []
@@ -177,8 +178,13 @@ class FakeHub:
             if any(fnmatch.fnmatch(path.name, g) for g in LFS_GLOBS):
                 entry["lfs"] = {"oid": sha256, "size": size, "pointerSize": 134}
             entries.append(self.listed.get(rel, entry))
-        text = json.dumps(entries).encode()
-        self.head(h, 200, {"Content-Length": len(text), "Content-Type": "application/json"})
+        size = self.page_size or len(entries) or 1
+        text = json.dumps(entries[cursor:cursor + size]).encode()
+        headers: dict[str, object] = {"Content-Length": len(text), "Content-Type": "application/json"}
+        if cursor + size < len(entries):  # the hub pages a long list: a Link header names the next page
+            page = f'{self.endpoint}{h.path.split("?")[0]}?recursive=true&cursor={cursor + size}'
+            headers["Link"] = f'<{page}>; rel="next"'
+        self.head(h, 200, headers)
         if body:
             self.send(h, [text])
 
@@ -234,6 +240,11 @@ def _checksums(path: Path, size: int, mtime_ns: int) -> tuple[str, str]:
         return "0" * 64, "0" * 40
     data = path.read_bytes()
     return hashlib.sha256(data).hexdigest(), hashlib.sha1(b"blob %d\0" % size + data).hexdigest()
+
+
+def _cursor(path: str) -> int:
+    m = re.search(r"[?&]cursor=(\d+)", path)
+    return int(m[1]) if m else 0
 
 
 def _ask(h: BaseHTTPRequestHandler) -> Ask:

@@ -82,7 +82,9 @@ def test_convert_from_the_hub_holds_a_layer_of_source_on_disk_and_matches_a_loca
     out = tmp_path / "out"
     with FakeHub({REPO: src}) as hub:
         hub.serve_this_process(monkeypatch)
+        hub.page_size = 4  # the file list in pages, each naming the next, as the hub pages a long one
         summary = convert(REPO, out, 2, preset="llama")
+        assert len([r for r in hub.requests if "/tree/" in r[1]]) > 3
         fetched = {name: hub.fetched(name) for name in sizes}
     assert_same_output(out, local_out)
     assert fetched == {name: 1 for name in sizes}  # each shard downloaded once

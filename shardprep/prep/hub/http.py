@@ -100,6 +100,8 @@ class HubBody:
     data: bytes
     size: int | None
     commit: str | None
+    next_page: str | None = None
+    """The URL of the API answer's next page (its `Link: <…>; rel="next"`), for a list the hub pages."""
 
 
 class _Retry(Exception):
@@ -149,11 +151,12 @@ class HubReader:
         return self._tries(lambda: self._fetch_once(url, f"{self.repo_id}/{name}", revision, first, nbytes, cap))
 
     def fetch_api(self, path: str, cap: int) -> HubBody | None:
-        """The hub API's answer at `path` (below `/api/`), at most `cap` bytes; None for a 404 without a code.
+        """The hub API's answer at `path` (below `/api/`, or the URL of a next page on the hub), at most `cap`
+        bytes; None for a 404 without a code.
 
         >>> reader.fetch_api(f"models/{reader.repo_id}/tree/main?recursive=true", 16 << 20)  # doctest: +SKIP
         """
-        url = f"{self.endpoint}/api/{path}"
+        url = path if _origin(path) == _origin(self.endpoint) else f"{self.endpoint}/api/{path}"
         return self._tries(lambda: self._fetch_once(url, f"{self.repo_id} (the hub's file list)", None, 0, None, cap))
 
     def download(self, name: str, revision: str, size: int, sink: Callable[[bytes], None],
@@ -218,7 +221,7 @@ class HubReader:
                     return HubBody(b"", self._stream(response, url, where, cap, sink), commit)
                 if response.status in (200, 206):
                     data, size = self._body(response, url, where, first, nbytes, cap)
-                    return HubBody(data, size, commit)
+                    return HubBody(data, size, commit, _next_page(response.getheader("Link"), url))
                 self._refuse(response, url, where, revision)
                 return None  # 404 EntryNotFound: no such file
         raise HubError(f"{where}: more than {MAX_REDIRECTS} redirects (a redirect loop?), the last to "
@@ -548,6 +551,19 @@ def _host(url: str) -> str:
 
 def _what(where: str) -> str:
     return "config.json" if where.endswith("/config.json") else "safetensors index"
+
+
+def _next_page(link: str | None, url: str) -> str | None:
+    """The `rel="next"` URL of a Link header, when it is on `url`'s origin (a page elsewhere is not followed).
+
+    >>> _next_page('<https://hf.co/api/models/a/b/tree/main?cursor=x>; rel="next"', "https://hf.co/api/x")
+    'https://hf.co/api/models/a/b/tree/main?cursor=x'
+    """
+    m = re.search(r'<([^>]+)>\s*;\s*rel="?next"?', link or "")
+    if m is None:
+        return None
+    target = urllib.parse.urljoin(url, m[1])
+    return target if _origin(target) == _origin(url) else None
 
 
 def _int_header(response: http.client.HTTPResponse, name: str) -> int | None:

@@ -49,6 +49,8 @@ FETCH_SUFFIX = ".shardprep-source"
 """The fetch directory is OUT's hidden sibling, `.OUT.shardprep-source`: on OUT's filesystem, so that a file taken
 over whole is hard-linked into the output and costs no second copy."""
 MAX_LIST_BYTES = 64 << 20
+MAX_LIST_PAGES = 100
+"""The hub pages a long file list (a `Link` header names the next page); a model repo has a few hundred files."""
 
 
 @dataclass(frozen=True)
@@ -84,21 +86,25 @@ def list_repo_files(reader: HubReader, commit: str) -> dict[str, RepoFile]:
     """
     where = f"{reader.repo_id} (the hub's file list at {commit})"
     repo = urllib.parse.quote(reader.repo_id, safe="/")
-    body = reader.fetch_api(f"models/{repo}/tree/{commit}?recursive=true", MAX_LIST_BYTES)
-    if body is None:
-        raise SourceError(f"{where}: the hub has no file list for it; is HF_ENDPOINT a Hugging Face hub?")
-    try:
-        entries = parse_json(body.data, where)
-    except IntegrityError as exc:
-        raise SourceError(str(exc)) from None
-    if not isinstance(entries, list):
-        raise SourceError(f"{where}: not a list of files")
-    files = {}
-    for entry in entries:
-        if isinstance(entry, dict) and entry.get("type") == "directory":
-            continue
-        files[_checked_entry(entry, where)] = _repo_file(entry)
-    return files
+    page: str | None = f"models/{repo}/tree/{commit}?recursive=true"
+    files: dict[str, RepoFile] = {}
+    for _ in range(MAX_LIST_PAGES):
+        if page is None:
+            return files
+        body = reader.fetch_api(page, MAX_LIST_BYTES)
+        if body is None:
+            raise SourceError(f"{where}: the hub has no file list for it; is HF_ENDPOINT a Hugging Face hub?")
+        try:
+            entries = parse_json(body.data, where)
+        except IntegrityError as exc:
+            raise SourceError(str(exc)) from None
+        if not isinstance(entries, list):
+            raise SourceError(f"{where}: not a list of files")
+        for entry in entries:
+            if not (isinstance(entry, dict) and entry.get("type") == "directory"):
+                files[_checked_entry(entry, where)] = _repo_file(entry)
+        page = body.next_page
+    raise SourceError(f"{where}: more than {MAX_LIST_PAGES} pages; is it a model repository?")
 
 
 def _checked_entry(entry: Any, where: str) -> str:
