@@ -100,6 +100,18 @@ def test_convert_from_the_hub_holds_a_layer_of_source_on_disk_and_matches_a_loca
           f"(feed's count {summary.source_peak_bytes} B); output {disk_usage(out)} B")
 
 
+def test_a_single_file_checkpoint_converts_as_a_local_one(checkpoint_cache, tmp_path, monkeypatch):
+    # One file that every layer reads: it is on disk for the whole conversion, and no longer.
+    single = checkpoint_cache("llama")
+    local = tmp_path / "local"
+    convert(single, local, 2, preset="llama")
+    with FakeHub({REPO: single}) as hub:
+        hub.serve_this_process(monkeypatch)
+        summary = convert(REPO, tmp_path / "out", 2, preset="llama")
+    assert_same_output(tmp_path / "out", local)
+    assert summary.source_peak_bytes == sum(p.stat().st_size for p in single.iterdir())
+
+
 def run_cli(args, tmp_path, endpoint):
     env = {k: v for k, v in os.environ.items() if k not in ENV_DROPPED}
     env |= {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf-home"),
