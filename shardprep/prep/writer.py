@@ -95,7 +95,8 @@ class _Tracker:
 
 def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
                progress: Progress | None = None, feed: SourceFeed | None = None) -> WriteResult:
-    """Write everything `plan` describes into the empty `directory`; the manifest goes last.
+    """Write everything `plan` describes into the empty `directory`; the manifest goes last. With a `feed`, the
+    source's files are on disk only while a layer reads them (see `SourceFeed`), and written one at a time.
 
     >>> write_plan(make_plan(ckpt, 8, selection), Path("staging/"))  # doctest: +SKIP
     """
