@@ -4,16 +4,21 @@ Point huggingface_hub at it with HF_ENDPOINT. It serves each repo from a local d
 what `hf_hub_download` asks (X-Repo-Commit, ETag, Content-Length) and range requests with 206 and Content-Range,
 keeps connections alive (HTTP/1.1) as the hub does, and refuses to send a whole file of more than
 WHOLE_FILE_LIMIT bytes, so a client that downloads weights fails at once instead of streaming gigabytes of holes.
+It also answers the hub's API as far as a conversion asks it: the list of a repo's files with each one's size,
+git blob id and, for weights, LFS sha256 (`/api/models/REPO/tree/REV`; `listed` makes an entry lie), and the
+repo's commit and files (`/api/models/REPO/revision/REV`, what `snapshot_download` asks first).
 
 It can also misbehave on purpose, as a mirror, a proxy or a captive portal might (`misbehave(pattern, how)`):
-ignore Range, compress a body into a bomb, never end a chunked body, stall, trickle, cut a body short, loop on
-redirects, or answer any status. Every body byte it sends is counted in `sent_bytes` as it is accepted by the
-socket, so a test sees what a client made it send, not what it would have sent.
+ignore Range, compress a body into a bomb, never end a chunked body, stall, trickle, cut a body short, flip a
+byte, loop on redirects, or answer any status. Every body byte it sends is counted in `sent_bytes` as it is
+accepted by the socket, so a test sees what a client made it send, not what it would have sent.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import json
 import re
 import threading
 import zlib
@@ -28,6 +33,9 @@ WHOLE_FILE_LIMIT = 16 << 20
 CHUNK = 64 << 10
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
+_TREE = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/(?P<what>tree|revision)/(?P<rev>[^/?]+)$")
+LFS_GLOBS = ("*.safetensors", "*.bin")
+"""Files the stand-in lists as LFS files (with a sha256), as the hub lists large weights; the rest as git blobs."""
 
 
 @dataclass
@@ -52,6 +60,8 @@ class FakeHub:
     def __init__(self, repos: dict[str, Path], commit: str = "0123456789abcdef0123456789abcdef01234567",
                  tokens: dict[str, str] | None = None) -> None:
         self.repos, self.commit, self.tokens = repos, commit, tokens or {}
+        self.listed: dict[str, dict[str, object]] = {}  # entries of the file list that lie (a wrong sha256), by path
+        self.page_size: int | None = None  # files per page of the file list (None: one page)
         self.sent_bytes = 0
         self.requests: list[tuple[str, str, str | None]] = []
         self.authorizations: list[str | None] = []
@@ -88,6 +98,15 @@ class FakeHub:
         self.server.shutdown()
         self.server.server_close()
 
+    def serve_this_process(self, monkeypatch) -> None:
+        """Point huggingface_hub, already imported in this process, at this stand-in, online."""
+        import huggingface_hub.constants as constants
+
+        monkeypatch.setattr(constants, "ENDPOINT", self.endpoint)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            self.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
     def misbehave(self, pattern: str, how: Behaviour, times: int | None = None) -> None:
         """Answer GETs of files matching `pattern` (fnmatch on the file's name in its repo) with `how`, the first
         `times` times (always for None)."""
@@ -101,6 +120,11 @@ class FakeHub:
         with self._lock:
             self.requests.append((h.command, h.path, rng))
             self.authorizations.append(h.headers.get("Authorization"))
+        tree = _TREE.match(unquote(h.path.split("?")[0]))
+        if tree and tree["repo"] in self.repos and tree["rev"] in ("main", self.commit):
+            if tree["what"] == "tree":
+                return self._answer_tree(h, self.repos[tree["repo"]], body, _cursor(h.path))
+            return self._answer_info(h, self.repos[tree["repo"]], body)
         m = _RESOLVE.match(unquote(h.path.split("?")[0]))
         repo = self.repos.get(m["repo"]) if m else None
         if m is None or repo is None:
@@ -133,10 +157,44 @@ class FakeHub:
             return error(416, "WholeFileRefused", "Refused")(self, ask)
         status = 206 if r else 200
         first, last = (start, end) if r else (0, size - 1)
-        self.head(h, status, {"Content-Length": last - first + 1,
+        self.head(h, status, {"Content-Length": last - first + 1, **_etags(path, size),
                               **({"Content-Range": f"bytes {first}-{last}/{size}"} if r else {})})
         if body:
             self.send(h, file_bytes(path, first, last + 1))
+
+    def fetched(self, pattern: str) -> int:
+        """Whole-file GETs (no Range) of files matching `pattern` that were asked for: downloads, not header reads."""
+        return sum(1 for cmd, p, rng in self.requests if cmd == "GET" and rng is None and "/resolve/" in p
+                   and fnmatch.fnmatch(unquote(p).rpartition("/")[2], pattern))
+
+    def _answer_tree(self, h: BaseHTTPRequestHandler, repo: Path, body: bool, cursor: int) -> None:
+        """The hub's list of a repo's files (`/api/models/REPO/tree/REV?recursive=true`), with each file's git
+        blob id and, for an LFS file, its sha256 (`lfs.oid`), as huggingface_hub's `list_repo_tree` reads it."""
+        entries = []
+        for path in sorted(p for p in repo.rglob("*") if p.is_file()):
+            rel, size = path.relative_to(repo).as_posix(), path.stat().st_size
+            sha256, git_oid = checksums(path)
+            entry: dict[str, object] = {"type": "file", "path": rel, "size": size, "oid": git_oid}
+            if any(fnmatch.fnmatch(path.name, g) for g in LFS_GLOBS):
+                entry["lfs"] = {"oid": sha256, "size": size, "pointerSize": 134}
+            entries.append(self.listed.get(rel, entry))
+        size = self.page_size or len(entries) or 1
+        text = json.dumps(entries[cursor:cursor + size]).encode()
+        headers: dict[str, object] = {"Content-Length": len(text), "Content-Type": "application/json"}
+        if cursor + size < len(entries):  # the hub pages a long list: a Link header names the next page
+            page = f'{self.endpoint}{h.path.split("?")[0]}?recursive=true&cursor={cursor + size}'
+            headers["Link"] = f'<{page}>; rel="next"'
+        self.head(h, 200, headers)
+        if body:
+            self.send(h, [text])
+
+    def _answer_info(self, h: BaseHTTPRequestHandler, repo: Path, body: bool) -> None:
+        """The repo's commit and files (`/api/models/REPO/revision/REV`), what `snapshot_download` asks first."""
+        files = sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file())
+        text = json.dumps({"id": "", "sha": self.commit, "siblings": [{"rfilename": f} for f in files]}).encode()
+        self.head(h, 200, {"Content-Length": len(text), "Content-Type": "application/json"})
+        if body:
+            self.send(h, [text])
 
     def head(self, h: BaseHTTPRequestHandler, status: int, headers: dict[str, object]) -> None:
         """The status line and headers of an answer from the hub (its X-Repo-Commit, ETag and Accept-Ranges)."""
@@ -156,6 +214,37 @@ class FakeHub:
                     self.sent_bytes += len(chunk)
         except OSError:  # the client closed the connection: what it refused is not sent
             h.close_connection = True
+
+
+def _etags(path: Path, size: int) -> dict[str, object]:
+    """The ETag the hub sends: an LFS file's sha256 (also as X-Linked-Etag, with X-Linked-Size), else its git
+    blob id; none for a file too large to send whole (the sparse terabytes of tests/sparse_checkpoints.py)."""
+    if size > WHOLE_FILE_LIMIT:
+        return {}
+    sha256, git_oid = checksums(path)
+    if any(fnmatch.fnmatch(path.name, g) for g in LFS_GLOBS):
+        return {"ETag": f'"{sha256}"', "X-Linked-Etag": f'"{sha256}"', "X-Linked-Size": size}
+    return {"ETag": f'"{git_oid}"'}
+
+
+def checksums(path: Path) -> tuple[str, str]:
+    """A file's sha256 and git blob id (sha1 of `blob <size>\\0` and the bytes); all zeros for a file too large
+    to send whole."""
+    st = path.stat()
+    return _checksums(path, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=4096)
+def _checksums(path: Path, size: int, mtime_ns: int) -> tuple[str, str]:
+    if size > WHOLE_FILE_LIMIT:
+        return "0" * 64, "0" * 40
+    data = path.read_bytes()
+    return hashlib.sha256(data).hexdigest(), hashlib.sha1(b"blob %d\0" % size + data).hexdigest()
+
+
+def _cursor(path: str) -> int:
+    m = re.search(r"[?&]cursor=(\d+)", path)
+    return int(m[1]) if m else 0
 
 
 def _ask(h: BaseHTTPRequestHandler) -> Ask:
@@ -254,14 +343,31 @@ def trickle(every_s: float = 1.0) -> Behaviour:
     return answer
 
 
-def cut_short() -> Behaviour:
-    """Announce the whole answer's length, send half of it, and close the connection."""
+def cut_short(downloads_only: bool = False) -> Behaviour:
+    """Announce the whole answer's length, send half of it, and close the connection; with `downloads_only`, only
+    a request for the whole file (a download, not a header's range read, which is answered rightly)."""
     def answer(hub: FakeHub, ask: Ask) -> None:
+        if downloads_only and ask.start is not None:
+            hub.head(ask.h, 206, {"Content-Length": ask.end - ask.start + 1, **_range(ask)})  # type: ignore[operator]
+            hub.send(ask.h, file_bytes(ask.path, ask.start, ask.end + 1))  # type: ignore[operator]
+            return
         first, last = (0, ask.size - 1) if ask.start is None else (ask.start, ask.end)
         length = last - first + 1
         hub.head(ask.h, 206 if ask.start is not None else 200, {"Content-Length": length, **_range(ask)})
         hub.send(ask.h, file_bytes(ask.path, first, first + length // 2))
         ask.h.close_connection = True
+    return answer
+
+
+def flipped_byte() -> Behaviour:
+    """The right answer but for the file's last byte, flipped: bytes corrupted in transit, or a bad mirror."""
+    def answer(hub: FakeHub, ask: Ask) -> None:
+        first, last = (0, ask.size - 1) if ask.start is None else (ask.start, ask.end)
+        hub.head(ask.h, 206 if ask.start is not None else 200, {"Content-Length": last - first + 1, **_range(ask)})
+        data = bytearray(b"".join(file_bytes(ask.path, first, last + 1)))
+        if last == ask.size - 1:
+            data[-1] ^= 0xFF
+        hub.send(ask.h, [bytes(data)])
     return answer
 
 

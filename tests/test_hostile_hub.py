@@ -107,6 +107,38 @@ def test_an_answer_longer_than_asked_is_refused_without_reading_it(ds_v3, appare
     assert not (tmp_path / "out").exists()
 
 
+def test_a_200_within_the_budget_is_the_answer(checkpoint_cache, tmp_path, monkeypatch):
+    # A plain HTTP server ignores Range: asked for bytes 0-99,999 of a 107,800-byte file, it answers 200 with the
+    # whole file, which a read of 100,000 bytes may take (WHOLE_ANSWER_BYTES): the range is cut from it.
+    from shardprep.prep.hub.http import WHOLE_ANSWER_BYTES, HubReader
+
+    repo = tmp_path / "plain"
+    repo.mkdir()
+    data = bytes(range(256)) * 421 + bytes(range(24))
+    (repo / "blob.bin").write_bytes(data)
+    assert len(data) == 107_800 < WHOLE_ANSWER_BYTES
+    with FakeHub({"tiny-org/plain": repo}) as hub:
+        hub.misbehave("blob.bin", whole_file(200))
+        hub.serve_this_process(monkeypatch)
+        reader = HubReader("tiny-org/plain", timeout_s=TIMEOUT_S)
+        try:
+            body = reader.fetch("blob.bin", None, first=0, nbytes=100_000)
+            tail = reader.fetch("blob.bin", None, first=100_000, nbytes=10_000)
+        finally:
+            reader.close()
+    assert body is not None and body.data == data[:100_000] and body.size == 107_800
+    assert tail is not None and tail.data == data[100_000:] and tail.size == 107_800
+    # `plan` of a small checkpoint from such a server reads each file whole, once per range it asks for.
+    src = checkpoint_cache("llama")
+    assert 100_000 < (src / "model.safetensors").stat().st_size < WHOLE_ANSWER_BYTES
+    with FakeHub({"tiny-org/tiny-llama": src}) as hub:
+        hub.misbehave("*.safetensors", whole_file(200))
+        proc, _ = run_cli(["plan", "tiny-org/tiny-llama", "--ranks", "2", "--preset", "llama", "--json"], tmp_path,
+                          hub.endpoint)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["fetched_bytes"] >= (src / "model.safetensors").stat().st_size
+
+
 # Cause 2: no time bound. Every request ends within SHARDPREP_HUB_TIMEOUT; retries are few; a long Retry-After ends.
 @pytest.mark.parametrize("case, pattern, how, says, within_s", [
     ("shards stall", "*.safetensors", stall(), "no complete answer", 20),

@@ -23,8 +23,8 @@ from ._help import Debug
 
 
 def convert_command(
-    src: Annotated[str, typer.Argument(metavar="SRC", help="Local HF model directory, or a hub repo id (resolved "
-                                                           "via the HF cache).")],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Local HF model directory, or a hub repo id (fetched a "
+                                                           "file or two at a time; see --keep-source).")],
     out: Annotated[Path, typer.Argument(metavar="OUT", help="Output directory (created; must be empty unless "
                                                             "--overwrite).")],
     ranks: Annotated[int, typer.Option("--ranks", "-n", metavar="N", help="Number of ranks N to shard across.")],
@@ -48,6 +48,10 @@ def convert_command(
     = CopyMode.AUTO,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a previous output in OUT (atomically).")]
     = False,
+    keep_source: Annotated[bool, typer.Option("--keep-source", help="A hub id: download the whole snapshot into "
+                                                                    "the HF cache and keep it (default: fetch a "
+                                                                    "file or two at a time, each dropped once "
+                                                                    "converted).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the selection and the sizes; write nothing.")]
     = False,
     requant: Annotated[RequantMode, typer.Option(help="Requantize block-FP8 weights to UE8M0 (power-of-two) "
@@ -82,6 +86,7 @@ def convert_command(
             src, out, ranks, targets=target or (), preset=preset, layers=layers, layer_pattern=layer_pattern,
             revision=revision, copy_mode=copy_mode, overwrite=overwrite, requant=options, dry_run=dry_run,
             chunk_alignment=chunk_alignment, progress=progress, allow_preset_mismatch=allow_preset_mismatch,
+            keep_source=keep_source,
         )
     if summary.preset and preset is None and not target and not (quiet or json_out):
         typer.echo(f"preset {summary.preset}: {src}'s config.json is a {summary.preset} draft model's (no --preset "
@@ -101,6 +106,9 @@ def convert_command(
         )
         if summary.quantization:
             typer.echo(_requant_line(summary))
+        if summary.source_peak_bytes is not None:
+            typer.echo(f"fetched {human_bytes(summary.fetched_bytes or 0)} from the hub, a layer at a time: at most "
+                       f"{human_bytes(summary.source_peak_bytes)} of the source on disk at once")
 
 
 def _requant_line(summary: ConvertSummary) -> str:

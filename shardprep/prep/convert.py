@@ -10,19 +10,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import ShardprepError
+from ..errors import ShardprepError, SourceError
 from ..manifests.manifest import MAX_WORLD_SIZE
 from .convert_plan import ConvertPlan, make_plan, parse_chunk_alignment
 from .header_source import open_headers
+from .hub.repo_id import hub_repo_id
+from .hub.stream import open_hub_source
 from .output.output_dir import check_output_dir, staged_output
 from .output.writer import CopyMode, Progress, output_bytes, write_plan
 from .requant_jobs import RequantOptions
 from .selection import check_preset_fits, make_selection
-from .source import open_source
+from .source import SourceCheckpoint, open_source
 
 SUMMARY_SCHEMA = "shardprep/convert-summary/1"
 
@@ -51,7 +53,8 @@ class ConvertSummary:
     seconds: float = 0.0
     dry_run: bool = False
     plan: dict[str, Any] = field(default_factory=dict)
-    fetched_bytes: int | None = None  # a dry run of a hub id: what its headers cost to fetch
+    fetched_bytes: int | None = None  # a hub id: what its headers (a dry run) or its files cost to fetch
+    source_peak_bytes: int | None = None  # a hub id fetched a layer at a time: the most source bytes on disk at once
     preset: str | None = None  # the preset applied: --preset's, or a draft checkpoint's own (make_selection)
     draft: dict[str, Any] | None = None  # the manifest's draft record (DraftLayers.record), None without a draft
 
@@ -76,6 +79,7 @@ def convert(
     dry_run: bool = False,
     progress: Progress | None = None,
     allow_preset_mismatch: bool = False,
+    keep_source: bool = False,
 ) -> ConvertSummary:
     """Convert a checkpoint into `ranks` per-rank files plus a manifest and the replicated part.
 
@@ -88,21 +92,27 @@ def convert(
     lock, only when it is empty or (with `overwrite`) a shardprep output, and only when the parent's
     filesystem has room for what the plan writes; see docs/reliability.md. A preset that does not fit the
     checkpoint's model type is refused (`selection.check_preset_fits`) unless `allow_preset_mismatch`.
+    A hub id is fetched a layer at a time and each file dropped once converted (`hub/stream.py`: the disk holds
+    the output and a file or two of the source); `keep_source` (or HF_HUB_OFFLINE) downloads the whole snapshot
+    into the HF cache first, as huggingface_hub's `snapshot_download` does, and keeps it.
 
     >>> convert("Qwen/Qwen3-30B-A3B", "out/", ranks=8, preset="qwen3-moe")  # doctest: +SKIP
     """
     t0 = time.perf_counter()
     mode = check_write_options(ranks, copy_mode, chunk_alignment)  # before the source is read
     out = Path(out)
+    repo_id = None if dry_run or keep_source else streamable_repo_id(src)
+    if repo_id is not None:
+        return _convert_streamed(repo_id, out, ranks, mode, t0, targets=targets, preset=preset, layers=layers,
+                                 layer_pattern=layer_pattern, revision=revision, overwrite=overwrite, requant=requant,
+                                 chunk_alignment=chunk_alignment, progress=progress,
+                                 allow_preset_mismatch=allow_preset_mismatch)
     # A dry run of a hub id reads the headers alone (by HTTP range), never the weights.
     ckpt = open_headers(src, revision) if dry_run else open_source(src, revision)
     if not dry_run:
         check_output_dir(out, [ckpt.root], overwrite)  # early, before planning; again under the lock
-    selection = make_selection(ckpt.config, targets=targets, preset=preset, layers=layers,
-                               layer_pattern=layer_pattern)
-    if not allow_preset_mismatch:
-        check_preset_fits(ckpt.tensors, ckpt.config, selection, str(src))
-    plan = make_plan(ckpt, ranks, selection, requant, chunk_alignment)
+    plan = _plan(ckpt, src, ranks, targets, preset, layers, layer_pattern, requant, chunk_alignment,
+                 allow_preset_mismatch)
     if dry_run:
         return _summary(out, plan, t0, dry_run=True)
     needed = output_bytes(plan, out, mode.value)
@@ -110,6 +120,62 @@ def convert(
         result = write_plan(plan, tmp, mode.value, progress)
     return _summary(out, plan, t0, linked=result.linked_files, copied=result.copied_files,
                     replicated_tensors=result.replicated_tensors, replicated_bytes=result.replicated_bytes)
+
+
+def _plan(ckpt: SourceCheckpoint, src: str | Path, ranks: int, targets: Sequence[str], preset: str | None,
+          layers: str | None, layer_pattern: str | None, requant: RequantOptions | None, chunk_alignment: str | int,
+          allow_preset_mismatch: bool) -> ConvertPlan:
+    selection = make_selection(ckpt.config, targets=targets, preset=preset, layers=layers,
+                               layer_pattern=layer_pattern)
+    if not allow_preset_mismatch:
+        check_preset_fits(ckpt.tensors, ckpt.config, selection, str(src))
+    return make_plan(ckpt, ranks, selection, requant, chunk_alignment)
+
+
+def streamable_repo_id(src: str | Path) -> str | None:
+    """`src` as a hub repo id that `convert` fetches a layer at a time; None for a local path, and offline
+    (HF_HUB_OFFLINE=1), where only a snapshot in the HF cache can serve.
+
+    >>> streamable_repo_id("./my-model") is None
+    True
+    """
+    repo_id = hub_repo_id(src)
+    if repo_id is None:
+        return None
+    from huggingface_hub import constants
+
+    return None if constants.HF_HUB_OFFLINE else repo_id
+
+
+def _convert_streamed(repo_id: str, out: Path, ranks: int, mode: CopyMode, t0: float, *, targets: Sequence[str],
+                      preset: str | None, layers: str | None, layer_pattern: str | None, revision: str | None,
+                      overwrite: bool, requant: RequantOptions | None, chunk_alignment: str | int,
+                      progress: Progress | None, allow_preset_mismatch: bool) -> ConvertSummary:
+    """`convert` of a hub id with bounded disk (`hub/stream.py`)."""
+    check_output_dir(out, [], overwrite)  # before a byte is fetched; again under the lock
+    source = open_hub_source(repo_id, revision, out)
+    try:
+        plan = _plan(source.checkpoint, repo_id, ranks, targets, preset, layers, layer_pattern, requant,
+                     chunk_alignment, allow_preset_mismatch)
+        if plan.requant is not None:
+            raise SourceError(f"{repo_id}: its block-FP8 weights are requantized, which reads them ahead of the "
+                              "writer, so this conversion needs the whole source on disk: add --keep-source (or "
+                              "--requant none to keep the scales as they are)")
+        with staged_output(out, inputs=[source.fetch_dir], overwrite=overwrite,
+                           needed_bytes=source.disk_bytes_needed(plan)) as tmp:
+            # The fetch directory is touched under OUT's lock only, so no other conversion into OUT shares it.
+            try:
+                feed = source.feed(plan)
+                result = write_plan(plan, tmp, mode.value, progress, feed)
+            except BaseException:
+                source.close(keep=True)  # what was converted, for the next run to resume from
+                raise
+            source.close(keep=False)
+    finally:
+        source.reader.close()
+    summary = _summary(out, plan, t0, linked=result.linked_files, copied=result.copied_files,
+                       replicated_tensors=result.replicated_tensors, replicated_bytes=result.replicated_bytes)
+    return replace(summary, source_peak_bytes=feed.peak_bytes)
 
 
 def check_write_options(ranks: object, copy_mode: CopyMode | str, chunk_alignment: str | int) -> CopyMode:

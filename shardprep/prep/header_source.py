@@ -3,7 +3,7 @@
 A local directory is read as `open_source` reads it (headers only, as always). A hub repo id is not
 downloaded: config.json and the index are fetched whole (each within its size cap) and each safetensors file's
 header by HTTP range requests on the file's hub URL, as huggingface_hub's `get_safetensors_metadata` reads them
-(the first 100 kB, then the rest of a longer header), all through `hub_http.py`'s bounded reads. The rare
+(the first 100 kB, then the rest of a longer header), all through `hub/http.py`'s bounded reads. The rare
 tensor bytes a plan reads (a block-FP8 checkpoint's scales, to tell whether they are powers of two already)
 are fetched the same way, by range. The checkpoint counts what it fetched (`fetched_bytes`). Nothing is
 written to the HF cache.
@@ -28,7 +28,9 @@ from typing import TypeVar
 
 from ..errors import HubError, IntegrityError, SourceError
 from ..manifests.safetensors_header import MAX_HEADER_BYTES, SafetensorsHeader, parse_safetensors_header
-from .hub_http import COMMIT, HubReader
+from .hub.cache import cached_snapshot
+from .hub.http import COMMIT, HubReader
+from .hub.repo_id import hub_repo_id
 from .source import (
     INDEX_NAME,
     MAX_CONFIG_BYTES,
@@ -36,7 +38,6 @@ from .source import (
     SINGLE_NAME,
     SourceCheckpoint,
     check_shard_names,
-    hub_repo_id,
     open_source,
     parse_config,
     parse_source_index,
@@ -72,7 +73,7 @@ def open_headers(src: str | Path, revision: str | None = None) -> SourceCheckpoi
         return cached
     reader = HubReader(repo_id)
     try:
-        return _open_hub_headers(reader, revision)
+        return open_hub_headers(reader, revision)
     except HubError as exc:
         if exc.reason not in ("dns", "unreachable"):
             raise
@@ -85,7 +86,12 @@ def open_headers(src: str | Path, revision: str | None = None) -> SourceCheckpoi
         reader.close()
 
 
-def _open_hub_headers(reader: HubReader, revision: str | None) -> SourceCheckpoint:
+def open_hub_headers(reader: HubReader, revision: str | None) -> SourceCheckpoint:
+    """The checkpoint of `reader`'s repo at `revision` from its headers alone, read by HTTP range at one commit
+    (the checkpoint's `commit`).
+
+    >>> ckpt = open_hub_headers(HubReader("deepseek-ai/DeepSeek-V3"), None)  # doctest: +SKIP
+    """
     repo_id = reader.repo_id
     config = reader.fetch("config.json", revision, cap=MAX_CONFIG_BYTES)
     # Every later read asks for the commit this one resolved the revision to, so that all come from one commit.
@@ -187,17 +193,7 @@ class _Fetcher:
 def _cached_checkpoint(repo_id: str, revision: str | None) -> SourceCheckpoint | None:
     """The repo's snapshot in the local HF cache, read as a local directory, when it holds every file the
     headers come from; None otherwise (a cache holding config.json alone cannot answer for the shards)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    snapshot = None
-    for name in ("config.json", INDEX_NAME, SINGLE_NAME):
-        try:
-            found = try_to_load_from_cache(repo_id, name, revision=revision)
-        except ValueError:  # not a repo id huggingface_hub accepts
-            return None
-        if isinstance(found, str):
-            snapshot = Path(found).parent
-            break
+    snapshot = cached_snapshot(repo_id, revision, ("config.json", INDEX_NAME, SINGLE_NAME))
     if snapshot is None:
         return None
     if (snapshot / INDEX_NAME).is_file():

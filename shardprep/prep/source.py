@@ -6,7 +6,6 @@ file at the offsets recorded in `SourceTensor`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,8 @@ from ..manifests.safetensors_header import SafetensorsHeader
 from ..manifests.safetensors_header import read_safetensors_header as read_header_strictly
 from ..manifests.strict_json import parse_json, read_capped
 from ..planning.config_figures import check_config_figures
+from .hub.cache import download_snapshot
+from .hub.repo_id import hub_repo_id, why_a_path
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -28,7 +29,6 @@ MAX_CONFIG_BYTES = 16 << 20
 MAX_INDEX_BYTES = 256 << 20
 # Weights in other frameworks' formats: never copied next to the converted safetensors.
 OTHER_WEIGHT_GLOBS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.onnx", "*.gguf")
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 @dataclass(frozen=True)
@@ -169,24 +169,6 @@ class ResolvedSource:
     commit: str | None
 
 
-def hub_repo_id(src: str | Path) -> str | None:
-    """`src` as a hub repo id, or None when it names a local path.
-
-    A local path is never taken for a hub id: a `Path`, a name that starts with `.`, `/` or `~`, one whose first
-    component exists here (`examples/tiny-deepsek-fp8` where `examples/` does), and one that is not a repo id's
-    shape are paths.
-
-    >>> hub_repo_id("deepseek-ai/DeepSeek-V3"), hub_repo_id("./DeepSeek-V3"), hub_repo_id("~/models/x")
-    ('deepseek-ai/DeepSeek-V3', None, None)
-    """
-    text = str(src)
-    if isinstance(src, Path) or "\x00" in text or text.startswith((".", "/", "~")) or not REPO_ID.match(text):
-        return None
-    if Path(text).exists() or Path(text.split("/")[0]).exists():
-        return None
-    return text
-
-
 def resolve_source(src: str | Path, revision: str | None = None) -> ResolvedSource:
     """A local directory, or a hub repo id resolved through huggingface_hub's cache.
 
@@ -203,47 +185,13 @@ def resolve_source(src: str | Path, revision: str | None = None) -> ResolvedSour
     if repo_id is None:
         path = Path(src).expanduser()
         if not path.exists():
-            raise SourceError(f"{src}: no such directory{_why_a_path(text)}")
+            raise SourceError(f"{src}: no such directory{why_a_path(text)}")
         if not path.is_dir():
             raise SourceError(f"{path}: is a file; SRC must be a model directory or a hub repo id")
         return ResolvedSource(path, None, revision, None)
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    patterns = ["*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.py", "*.jinja", "*.md"]
-    try:
-        local = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
-    except LocalEntryNotFoundError:
-        raise SourceError(f"{src}: not in the local HF cache and the hub cannot be reached "
-                          "(HF_HUB_OFFLINE is set or no network); download it first") from None
-    except GatedRepoError:  # a subclass of RepositoryNotFoundError: the repo exists, the token cannot read it
-        raise SourceError(f"{src}: a gated repository: ask for access on its hub page, then set HF_TOKEN (or run "
-                          "`hf auth login`) to a token of that account") from None
-    except RepositoryNotFoundError:
-        raise SourceError(f"{src}: no such repository on the hub (or it is private)") from None
-    except RevisionNotFoundError:
-        raise SourceError(f"{src}: the hub has no revision {revision!r}") from None
-    except Exception as exc:  # whatever the HTTP library beneath raises: its kinds vary by version
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        raise SourceError(f"{src}: cannot fetch from the hub: {type(exc).__name__}: {first}") from None
-    local_path = Path(local)
+    local_path = download_snapshot(repo_id, revision)
     # The cache lays a snapshot out as snapshots/<commit>: the commit actually used, whatever ref was typed.
     return ResolvedSource(local_path, text, revision, local_path.name)
-
-
-def _why_a_path(text: str) -> str:
-    """Why a missing SRC was read as a path: said, so that a mistyped directory is not taken for a hub id."""
-    first = text.split("/")[0]
-    if not REPO_ID.match(text) and not text.startswith((".", "/", "~")):
-        return " (and not a hub repo id)"
-    if "/" in text and first and Path(first).exists():
-        return f" ({first}/ exists here, so SRC is a local path, not a hub repo id)"
-    return ""
 
 
 def source_boundary(root: Path) -> Path:

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..._version import __version__
 from ...errors import OutputError
@@ -69,6 +69,19 @@ class CopyMode(str, Enum):
     COPY = "copy"
 
 
+class SourceFeed(Protocol):
+    """Has each source file on disk while the writer reads it (`hub/stream.py`: a hub id, a layer at a time); it
+    writes each file's replicated part, with the function `start` gives it, before it drops the file. A feed
+    that resumes an interrupted run has put its rank files into `directory/shards/` in `start`, and answers
+    `before_layer` with the record of a layer they already hold (None: write the layer)."""
+
+    def start(self, directory: Path, write_file: Callable[[ReplicatedFile], tuple[bool, list[str]] | None]) -> None:
+        ...
+
+    def before_layer(self, index: int, written: list[LayerRecord]) -> LayerRecord | None: ...
+    def finish(self) -> dict[str, tuple[bool, list[str]] | None]: ...
+
+
 @dataclass(frozen=True)
 class WriteResult:
     """What the writer wrote besides the rank files."""
@@ -95,8 +108,9 @@ class _Tracker:
 
 
 def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
-               progress: Progress | None = None) -> WriteResult:
-    """Write everything `plan` describes into the empty `directory`; the manifest goes last.
+               progress: Progress | None = None, feed: SourceFeed | None = None) -> WriteResult:
+    """Write everything `plan` describes into the empty `directory`; the manifest goes last. With a `feed`, the
+    source's files are on disk only while a layer reads them (see `SourceFeed`), and written one at a time.
 
     >>> write_plan(make_plan(ckpt, 8, selection), Path("staging/"))  # doctest: +SKIP
     """
@@ -110,9 +124,12 @@ def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
             # rank files; the others follow the rank files on this thread, in the order the requant
             # runner computes their tensors.
             early = {f.name: pool.submit(replicated.write, f) for f in plan.replicated
-                     if not replicated.takes_producers(f)}
-            records = _write_rank_files(directory, plan, producers, tracker, writeback)
-            results = {f.name: replicated.write(f) for f in plan.replicated if f.name not in early}
+                     if not replicated.takes_producers(f) and feed is None}
+            if feed is not None:
+                feed.start(directory, replicated.write)
+            records = _write_rank_files(directory, plan, producers, tracker, writeback, feed)
+            results = (feed.finish() if feed is not None else
+                       {f.name: replicated.write(f) for f in plan.replicated if f.name not in early})
             results.update({name: future.result() for name, future in early.items()})
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -139,19 +156,25 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
 
 
 def _write_rank_files(directory: Path, plan: ConvertPlan, producers: dict[str, Callable[[], Any]],
-                      tracker: _Tracker, writeback: Writeback) -> list[LayerRecord]:
+                      tracker: _Tracker, writeback: Writeback, feed: SourceFeed | None) -> list[LayerRecord]:
     # At most one rank file and a few source files are open at any time, whatever N: each rank file is
     # opened for its chunk of a layer and closed again (N·layers opens, each far cheaper than its write).
     ckpt, ranks = plan.source, plan.world_size
-    (directory / "shards").mkdir()
+    (directory / "shards").mkdir(exist_ok=feed is not None)
     paths = [directory / rank_file_name(r, ranks) for r in range(ranks)]
     buf = memoryview(bytearray(max(lay.total_bytes for lay in plan.layouts)))
     sources = _SourceFiles(ckpt)
-    records = []
+    records: list[LayerRecord] = []
     try:
         for path in paths:
-            create_rank_file(path, plan.rank_header, plan.rank_file_bytes)
-        for lay, file_offset in zip(plan.layouts, plan.file_offsets):
+            if feed is None or not path.exists():  # a resumed feed's rank files are there already
+                create_rank_file(path, plan.rank_header, plan.rank_file_bytes)
+        for index, (lay, file_offset) in enumerate(zip(plan.layouts, plan.file_offsets)):
+            done = feed.before_layer(index, records) if feed is not None else None
+            if done is not None:
+                records.append(done)
+                tracker(sum(e.nbytes for e in lay.entries))
+                continue
             flat = buf[: lay.total_bytes]
             at = 0
             for e in lay.entries:

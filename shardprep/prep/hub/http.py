@@ -2,16 +2,18 @@
 fails as one HubError whose line says what happened.
 
 `plan` and `convert --dry-run` on a hub id read config.json, the index and each safetensors header by HTTP range
-(`header_source.py`). Whatever answers at HF_ENDPOINT is untrusted here: a mirror, a proxy or a captive portal may
+(`prep/header_source.py`). Whatever answers at HF_ENDPOINT is untrusted here: a mirror, a proxy or a captive portal may
 ignore `Range` and send a whole shard, compress a body into a bomb, stall, trickle a byte a second, never end a
 chunked body, loop on redirects, or answer 401, 403, 429 or 5xx for reasons of its own. The bounds:
 
 - Time: every request, from connecting to its last byte (redirects included), ends within `timeout_s`
   (SHARDPREP_HUB_TIMEOUT, default 30 s). A watchdog shuts the socket down at that deadline, so neither a
   stall nor a trickle (a byte now and then, which no per-read timeout catches) outlives it.
-- Bytes: a range request takes back at most the range it asked for. A 206 whose Content-Range is not that
-  range, or a 200 (the server ignored `Range`) longer than the range, is refused from its headers alone,
-  before a byte of its body is read; a body without a length is read up to one byte past its bound. A whole
+- Bytes: a range request takes back at most the range it asked for, or a whole small file. A 206 whose
+  Content-Range is not that range is refused from its headers alone, before a byte of its body is read. A 200
+  (the server ignored `Range`) is the whole file: taken, and the range cut from it, when the file is no longer
+  than WHOLE_ANSWER_BYTES (or the range), refused unread beyond it. A body without a length is read up to
+  one byte past its bound. A whole
   file (config.json, the index) is refused unread when its Content-Length is over its cap, and the read stops
   one byte past the cap otherwise. Bodies are asked for unencoded (`Accept-Encoding: identity`) and never
   decoded: a compressed answer is refused unread.
@@ -40,12 +42,12 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 
-from ..errors import HubError, SourceError
+from ...errors import HubError, SourceError
 
 TIMEOUT_ENV = "SHARDPREP_HUB_TIMEOUT"
 DEFAULT_TIMEOUT_S = 30.0
@@ -56,6 +58,12 @@ BACKOFF_S = (1.0, 2.0)
 MAX_REDIRECTS = 10
 READ_CHUNK = 64 << 10
 REDIRECT_BODY_BYTES = 64 << 10
+DOWNLOAD_MIN_BYTES_PER_S = 1 << 20
+"""A whole shard's download may take the timeout plus its size at this rate: a stall or a trickle still ends."""
+WHOLE_ANSWER_BYTES = 1 << 20
+"""A range read answered with the whole file (200: the server ignores Range) takes it when the file is no longer
+than this (or than the range): ten times a header's first read, so a small file served by a plain HTTP server
+is read, and a shard is not."""
 """A redirect's body is read (so that its connection can be used again) only up to this."""
 COMMIT = re.compile(r"[0-9a-f]{40}")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
@@ -92,6 +100,8 @@ class HubBody:
     data: bytes
     size: int | None
     commit: str | None
+    next_page: str | None = None
+    """The URL of the API answer's next page (its `Link: <…>; rel="next"`), for a list the hub pages."""
 
 
 class _Retry(Exception):
@@ -137,11 +147,38 @@ class HubReader:
               cap: int = 0) -> HubBody | None:
         """`nbytes` of file `name` from byte `first` (fewer at its end), or with `nbytes` None the whole file, at
         most `cap` bytes; None when the hub says it has no such file (404 EntryNotFound)."""
-        where = f"{self.repo_id}/{name}"
         url = self.url(name, revision)
+        return self._tries(lambda: self._fetch_once(url, f"{self.repo_id}/{name}", revision, first, nbytes, cap))
+
+    def fetch_api(self, path: str, cap: int) -> HubBody | None:
+        """The hub API's answer at `path` (below `/api/`, or the URL of a next page on the hub), at most `cap`
+        bytes; None for a 404 without a code.
+
+        >>> reader.fetch_api(f"models/{reader.repo_id}/tree/main?recursive=true", 16 << 20)  # doctest: +SKIP
+        """
+        url = path if _origin(path) == _origin(self.endpoint) else f"{self.endpoint}/api/{path}"
+        return self._tries(lambda: self._fetch_once(url, f"{self.repo_id} (the hub's file list)", None, 0, None, cap))
+
+    def download(self, name: str, revision: str, size: int, sink: Callable[[bytes], None],
+                 restart: Callable[[], None]) -> HubBody | None:
+        """The whole file `name`, `size` bytes, handed to `sink` as it arrives; `restart` is called before each
+        try, so that a try after a body cut short starts again from byte 0. The time bound is the timeout plus
+        `size` at DOWNLOAD_MIN_BYTES_PER_S; None when the hub has no such file.
+
+        >>> reader.download("model-00001-of-00002.safetensors", commit, size, f.write, f.truncate)  # doctest: +SKIP
+        """
+        url = self.url(name, revision)
+        seconds = self.timeout_s + size / DOWNLOAD_MIN_BYTES_PER_S
+
+        def once() -> HubBody | None:
+            restart()
+            return self._fetch_once(url, f"{self.repo_id}/{name}", revision, 0, None, size, sink, seconds)
+        return self._tries(once)
+
+    def _tries(self, once: Callable[[], HubBody | None]) -> HubBody | None:
         for attempt in range(RETRIES + 1):
             try:
-                return self._fetch_once(url, where, revision, first, nbytes, cap)
+                return once()
             except _Retry as exc:
                 wait_s = exc.wait_s if exc.wait_s is not None else BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
                 if attempt == RETRIES:
@@ -161,8 +198,9 @@ class HubReader:
             self.fetched_bytes += n
 
     def _fetch_once(self, url: str, where: str, revision: str | None, first: int, nbytes: int | None,
-                    cap: int) -> HubBody | None:
-        deadline = time.monotonic() + self.timeout_s
+                    cap: int, sink: Callable[[bytes], None] | None = None,
+                    seconds: float | None = None) -> HubBody | None:
+        deadline = time.monotonic() + (self.timeout_s if seconds is None else seconds)
         headers = {**self._plain, "Accept-Encoding": "identity"}
         if nbytes is not None:
             headers["Range"] = f"bytes={first}-{first + nbytes - 1}"
@@ -179,9 +217,11 @@ class HubReader:
                         raise HubError(f"{where}: {_host(url)} redirects to a URL that is not http(s)",
                                        reason="bad_answer")
                     continue
+                if response.status in (200, 206) and sink is not None:
+                    return HubBody(b"", self._stream(response, url, where, cap, sink), commit)
                 if response.status in (200, 206):
                     data, size = self._body(response, url, where, first, nbytes, cap)
-                    return HubBody(data, size, commit)
+                    return HubBody(data, size, commit, _next_page(response.getheader("Link"), url))
                 self._refuse(response, url, where, revision)
                 return None  # 404 EntryNotFound: no such file
         raise HubError(f"{where}: more than {MAX_REDIRECTS} redirects (a redirect loop?), the last to "
@@ -347,26 +387,57 @@ class HubReader:
             if start != first or not start <= end <= last or (total is not None and end >= total):
                 raise HubError(f"{where}: asked for bytes {first}-{last}, {host} answered bytes {start}-{end} of "
                                f"{m[3]}; refused unread", reason="out_of_range")
-            expected: int | None = end - start + 1
+            expected = end - start + 1
             if length is not None and length != expected:
                 raise HubError(f"{where}: {host} announced bytes {start}-{end} in a body of {length} bytes",
                                reason="bad_answer")
-        else:  # 200: the server ignored Range, which only a whole file no longer than the range makes right
-            if first != 0 or (length is not None and length > nbytes):
+        else:  # 200: the server ignored Range and sends the whole file, an answer where it fits the budget
+            budget = max(nbytes, WHOLE_ANSWER_BYTES)
+            if length is not None and length > budget:
                 raise HubError(f"{where}: {host} answered a range request (bytes {first}-{last}) with the whole "
-                               f"file ({length if length is not None else 'of unknown length'} bytes); refused "
-                               "unread: the server (a mirror or proxy?) ignores Range", reason="out_of_range")
-            expected, total = length, None
-        data = self._read(response, (nbytes if expected is None else expected) + 1)
-        if len(data) > (nbytes if expected is None else expected):
-            if response.status == 200:
-                raise HubError(f"{where}: {host} answered a range request (bytes {first}-{last}) with more than the "
-                               "range: the server (a mirror or proxy?) ignores Range; stopped reading there",
-                               reason="out_of_range")
+                               f"file ({length} bytes, more than the {budget} a read of {nbytes} bytes may take); "
+                               "refused unread: the server (a mirror or proxy?) ignores Range", reason="out_of_range")
+            data = self._read(response, budget + 1 if length is None else length)
+            if len(data) > budget:
+                raise HubError(f"{where}: {host} answered a range request (bytes {first}-{last}) with more than "
+                               f"the {budget} bytes a read of {nbytes} bytes may take: the server (a mirror or "
+                               "proxy?) ignores Range; stopped reading there", reason="out_of_range")
+            self._check_complete(data, length, where, host)
+            return data[first:first + nbytes], len(data)
+        data = self._read(response, expected + 1)
+        if len(data) > expected:
             raise HubError(f"{where}: {host} sent more than the {expected} bytes it announced; stopped reading "
                            "there", reason="out_of_range")
         self._check_complete(data, expected, where, host)
-        return data, total if response.status == 206 else len(data)
+        return data, total
+
+    def _stream(self, response: http.client.HTTPResponse, url: str, where: str, size: int,
+                sink: Callable[[bytes], None]) -> int:
+        """A whole file of `size` bytes, each piece handed to `sink` as it arrives; never a byte past `size`."""
+        host = _host(url)
+        encoding = (response.getheader("Content-Encoding") or "identity").strip().lower()
+        if encoding != "identity" or response.status != 200:
+            raise HubError(f"{where}: {host} answered a request for the whole file with "
+                           f"{'a part of it (206)' if response.status == 206 else _printable(encoding) + ' encoding'}"
+                           "; refused unread", reason="bad_answer")
+        length = _int_header(response, "Content-Length")
+        if length is not None and length != size:
+            raise HubError(f"{where}: {host} announced {length} bytes, the hub's file list {size}; refused unread",
+                           reason="bad_answer")
+        done = 0
+        while done <= size:
+            chunk = response.read1(min(READ_CHUNK, size + 1 - done))
+            if not chunk:
+                break
+            done += len(chunk)
+            self._count(len(chunk))
+            if done > size:
+                raise HubError(f"{where}: {host} sent more than the {size} bytes of the file; stopped reading there",
+                               reason="out_of_range")
+            sink(chunk)
+        if done < size:
+            raise _Retry(f"{where}: {host} cut the answer short ({done} of {size} bytes)", "broken_body")
+        return done
 
     @staticmethod
     def _check_complete(data: bytes, expected: int | None, where: str, host: str) -> None:
@@ -480,6 +551,19 @@ def _host(url: str) -> str:
 
 def _what(where: str) -> str:
     return "config.json" if where.endswith("/config.json") else "safetensors index"
+
+
+def _next_page(link: str | None, url: str) -> str | None:
+    """The `rel="next"` URL of a Link header, when it is on `url`'s origin (a page elsewhere is not followed).
+
+    >>> _next_page('<https://hf.co/api/models/a/b/tree/main?cursor=x>; rel="next"', "https://hf.co/api/x")
+    'https://hf.co/api/models/a/b/tree/main?cursor=x'
+    """
+    m = re.search(r'<([^>]+)>\s*;\s*rel="?next"?', link or "")
+    if m is None:
+        return None
+    target = urllib.parse.urljoin(url, m[1])
+    return target if _origin(target) == _origin(url) else None
 
 
 def _int_header(response: http.client.HTTPResponse, name: str) -> int | None:
