@@ -20,8 +20,6 @@ import torch
 from spawn_group import run_ranks
 from test_compiled_binding import _exact_model
 
-from shardprep.prep.convert import convert
-
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 
@@ -30,11 +28,9 @@ def _ranks() -> int:
 
 
 @pytest.fixture(scope="module")
-def exact_dir(checkpoint_cache, tmp_path_factory):
+def exact_dir(checkpoint_cache, conversion_cache):
     src = checkpoint_cache("llama", layers=5)
-    out = tmp_path_factory.mktemp("gpu-compiled") / "llama"
-    convert(src, out, _ranks(), preset="llama")
-    return src, out
+    return src, conversion_cache(src, _ranks(), preset="llama")
 
 
 def _graphs_rank(rank, world_size, src, out, backend):

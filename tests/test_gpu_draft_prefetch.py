@@ -23,8 +23,6 @@ import torch
 from spawn_group import run_ranks
 from test_gatherer import _error
 
-from shardprep.prep.convert import convert
-
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 SLEEP_CYCLES = 5_000_000  # a few ms of target layer D−2 before it reads its slot
@@ -36,10 +34,9 @@ def _ranks() -> int:
 
 
 @pytest.fixture(scope="module")
-def gpu_runs(checkpoint_cache, tmp_path_factory):
+def gpu_runs(checkpoint_cache, conversion_cache):
     src = checkpoint_cache("llama", layers=6, hidden=1024, tokenizer=False)
-    out = tmp_path_factory.mktemp("gpu-draft") / "out"
-    convert(src, out, _ranks(), preset="llama")
+    out = conversion_cache(src, _ranks(), preset="llama")
     results = run_ranks(_suite, _ranks(), str(out), backend="nccl", env=ENV, timeout=500)
     return results
 

@@ -17,8 +17,6 @@ import pytest
 import torch
 from spawn_group import run_ranks
 
-from shardprep.prep.convert import convert
-
 pytestmark = pytest.mark.gpu
 
 BACKENDS = ("nccl", "ce", "auto", "nccl-symm")  # riskiest last: a crash loses only what follows it
@@ -35,19 +33,18 @@ def _needs(n: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpu_runs(checkpoint_cache, tmp_path_factory):
+def gpu_runs(checkpoint_cache, conversion_cache, tmp_path_factory):
     """rank → {scenario: result}; scenarios that never ran are absent and "crash" says why."""
     _needs(2)
     src = checkpoint_cache("llama", layers=4, hidden=1024, tokenizer=False)
-    root = tmp_path_factory.mktemp("gpu")
-    convert(src, root / "out", 2, preset="llama")
+    root, out = tmp_path_factory.mktemp("gpu"), conversion_cache(src, 2, preset="llama")
     keep = os.environ.get("SHARDPREP_TEST_RESULTS_DIR")
     # Written after every scenario, straight where they are kept: a run killed midway still tells.
     results_dir = Path(keep) / "gpu_runtime" if keep else root / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     crash = None
     try:
-        run_ranks(_suite, 2, str(root / "out"), str(src), str(results_dir), backend="nccl", env=ENV, timeout=600)
+        run_ranks(_suite, 2, str(out), str(src), str(results_dir), backend="nccl", env=ENV, timeout=600)
     except AssertionError as exc:
         crash = str(exc)
     runs = []
