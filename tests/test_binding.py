@@ -36,11 +36,9 @@ def world_of_one():
 
 
 @pytest.fixture(scope="module")
-def llama_dir(checkpoint_cache, tmp_path_factory):
+def llama_dir(checkpoint_cache, conversion_cache):
     src = checkpoint_cache("llama")
-    out = tmp_path_factory.mktemp("bind") / "llama-n1"
-    convert(src, out, 1, preset="llama")
-    return src, out
+    return src, conversion_cache(src, 1, preset="llama")
 
 
 def reference(src):

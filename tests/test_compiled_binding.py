@@ -20,17 +20,13 @@ from checkpoints import read_state_dict
 from spawn_group import run_ranks
 from torch import nn
 
-from shardprep.prep.convert import convert
-
 pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def llama(checkpoint_cache, tmp_path_factory):
+def llama(checkpoint_cache, conversion_cache):
     src = checkpoint_cache("llama", layers=5)
-    out = tmp_path_factory.mktemp("compiled") / "llama-n2"
-    convert(src, out, 2, preset="llama")  # layers 1-4 sharded: 1 and 3 share slot 0, 2 and 4 slot 1
-    return src, out
+    return src, conversion_cache(src, 2, preset="llama")  # layers 1-4 sharded: 1 and 3 share slot 0, 2 and 4 slot 1
 
 
 def _transformers_logits(src, ids):

@@ -25,14 +25,14 @@ DRAFTS = {"mtp": None, "two-layer": (4, 5), "one-layer": (5,)}  # layers marked 
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoint_cache, tmp_path_factory):
+def runs(checkpoint_cache, conversion_cache, tmp_path_factory):
     """draft name → (source dir, per-rank results)."""
     root = tmp_path_factory.mktemp("draft-prefetch")
     mtp_src, llama_src = checkpoint_cache("deepseek-v3-mtp", layers=3), checkpoint_cache("llama", layers=6)
-    convert(mtp_src, root / "mtp", N, preset="deepseek-v3")
-    convert(llama_src, root / "llama", N, preset="llama")
+    mtp_out = conversion_cache(mtp_src, N, preset="deepseek-v3")
+    llama_out = conversion_cache(llama_src, N, preset="llama")
     cases = {name: (str(mtp_src if marked is None else llama_src), marked,
-                    [str(local_only_dir(root / ("mtp" if marked is None else "llama"), r, root / f"{name}-{r}"))
+                    [str(local_only_dir(mtp_out if marked is None else llama_out, r, root / f"{name}-{r}"))
                      for r in range(N)]) for name, marked in DRAFTS.items()}
     results = run_ranks(_suite, N, cases, timeout=400)
     return {name: (cases[name][0], [r[name] for r in results]) for name in cases}

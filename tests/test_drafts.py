@@ -62,13 +62,10 @@ def eagle3_src(checkpoint_cache):
 
 
 @pytest.fixture(scope="module")
-def outs(dflash_src, eagle3_src, target_src, tmp_path_factory):
+def outs(dflash_src, eagle3_src, target_src, conversion_cache):
     """Each draft converted for N = 2 without --preset or --layers, and the target with its preset."""
-    root = tmp_path_factory.mktemp("drafts")
-    convert(dflash_src, root / "dflash", 2)
-    convert(eagle3_src, root / "eagle3", 2)
-    convert(target_src, root / "target", 2, preset="qwen3-moe")
-    return {"dflash": root / "dflash", "eagle3": root / "eagle3", "target": root / "target"}
+    return {"dflash": conversion_cache(dflash_src, 2), "eagle3": conversion_cache(eagle3_src, 2),
+            "target": conversion_cache(target_src, 2, preset="qwen3-moe")}
 
 
 def replicated_names(out) -> set[str]:

@@ -171,10 +171,8 @@ def test_the_summary_the_record_and_the_links(checkpoint_cache, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def out8(checkpoint_cache, tmp_path_factory):
-    out = tmp_path_factory.mktemp("out8") / "out"
-    convert(checkpoint_cache("llama", sharded=True, layers=4), out, 8, preset="llama")
-    return out
+def out8(checkpoint_cache, conversion_cache):
+    return conversion_cache(checkpoint_cache("llama", sharded=True, layers=4), 8, preset="llama")
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -26,11 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def out3(checkpoint_cache, tmp_path_factory):
+def out3(checkpoint_cache, conversion_cache):
     """A single-file llama converted for 3 ranks (chunks split tensors mid-row)."""
-    out = tmp_path_factory.mktemp("v2") / "out"
-    convert(checkpoint_cache("llama", layers=4), out, 3, preset="llama")
-    return out
+    return conversion_cache(checkpoint_cache("llama", layers=4), 3, preset="llama")
 
 
 def test_safe_open_reads_every_rank_file_and_each_layer_is_its_chunk(out3):

@@ -18,12 +18,10 @@ from shardprep.prep.convert import convert
 
 
 @pytest.fixture(scope="module")
-def converted(checkpoint_cache, tmp_path_factory):
+def converted(checkpoint_cache, conversion_cache):
     """A llama checkpoint converted for 3 ranks (rows not divisible by 3: tensors straddle chunks)."""
     src = checkpoint_cache("llama", layers=4)
-    out = tmp_path_factory.mktemp("full") / "out"
-    convert(src, out, 3, preset="llama")
-    return src, out
+    return src, conversion_cache(src, 3, preset="llama")
 
 
 def copy_of(out: Path, dest: Path) -> Path:

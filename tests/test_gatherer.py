@@ -18,7 +18,6 @@ import torch
 from spawn_group import run_ranks
 
 from shardprep.errors import RuntimeShardError
-from shardprep.prep.convert import convert
 
 WORLD_SIZES = (2, 4, 8)  # 8: the seed's one-node deployment, for correctness (no 8-GPU machine is lent)
 SLIP_SIZES = (2, 4)  # the misalignment scenarios wait out gloo timeouts: not at every size
@@ -43,16 +42,15 @@ def local_only_dir(out: Path, rank: int, dest: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoint_cache, tmp_path_factory):
+def runs(checkpoint_cache, conversion_cache, tmp_path_factory):
     """world size → (source dir, converted dir, per-rank results of the scenario suite)."""
     src = checkpoint_cache("llama", layers=4)
     out = {}
     for n in WORLD_SIZES:
-        root = tmp_path_factory.mktemp(f"gather{n}")
-        convert(src, root / "out", n, preset="llama")
-        dirs = [str(local_only_dir(root / "out", r, root / f"rank{r}")) for r in range(n)]
-        other = str(root / "out") if n == 2 else str(out[2][1])
-        out[n] = (src, root / "out", run_ranks(_suite, n, dirs, str(src), other, timeout=180))
+        root, converted = tmp_path_factory.mktemp(f"gather{n}"), conversion_cache(src, n, preset="llama")
+        dirs = [str(local_only_dir(converted, r, root / f"rank{r}")) for r in range(n)]
+        other = str(converted) if n == 2 else str(out[2][1])
+        out[n] = (src, converted, run_ranks(_suite, n, dirs, str(src), other, timeout=180))
     return out
 
 

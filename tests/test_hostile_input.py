@@ -105,11 +105,9 @@ def corrupted_text(draw: st.DrawFn, text: bytes) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def pristine(checkpoint_cache, tmp_path_factory):
+def pristine(checkpoint_cache, conversion_cache):
     src = checkpoint_cache("llama", sharded=True)
-    out = tmp_path_factory.mktemp("hostile") / "out"
-    convert(src, out, 2, preset="llama", copy_mode="copy")
-    return src, out
+    return src, conversion_cache(src, 2, preset="llama", copy_mode="copy")
 
 
 @pytest.fixture

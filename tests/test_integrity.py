@@ -25,12 +25,10 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def pristine(checkpoint_cache, tmp_path_factory):
+def pristine(checkpoint_cache, conversion_cache):
     # Copied, not hard-linked: the tests below damage files, which must not reach the shared checkpoints.
     src = checkpoint_cache("llama", sharded=True)
-    out = tmp_path_factory.mktemp("integrity") / "out"
-    convert(src, out, 3, preset="llama", copy_mode="copy")
-    return src, out
+    return src, conversion_cache(src, 3, preset="llama", copy_mode="copy")
 
 
 @pytest.fixture

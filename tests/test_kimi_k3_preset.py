@@ -28,11 +28,9 @@ PERIPHERY = {*GATE_UP, "block_sparse_moe.shared_experts.down_proj.weight",
 
 
 @pytest.fixture(scope="module")
-def k3(checkpoint_cache, tmp_path_factory):
+def k3(checkpoint_cache, conversion_cache):
     src = checkpoint_cache("kimi-k3", layers=4)
-    out = tmp_path_factory.mktemp("k3") / "out"
-    convert(src, out, 2, preset="kimi-k3")
-    return src, out
+    return src, conversion_cache(src, 2, preset="kimi-k3")
 
 
 def short(name: str) -> str:

@@ -32,10 +32,8 @@ def mtp_src(checkpoint_cache):
 
 
 @pytest.fixture(scope="module")
-def mtp_out(mtp_src, tmp_path_factory):
-    out = tmp_path_factory.mktemp("mtp") / "out"
-    convert(mtp_src, out, 2, preset="deepseek-v3")
-    return out
+def mtp_out(mtp_src, conversion_cache):
+    return conversion_cache(mtp_src, 2, preset="deepseek-v3")
 
 
 def invoke(*args):
@@ -219,11 +217,9 @@ K3_L = 4  # Kimi K3's decoder layers 0..3; layer 4 is its MTP layer (tests/check
 
 
 @pytest.fixture(scope="module")
-def k3_mtp(checkpoint_cache, tmp_path_factory):
+def k3_mtp(checkpoint_cache, conversion_cache):
     src = checkpoint_cache("kimi-k3-mtp", layers=K3_L)
-    out = tmp_path_factory.mktemp("k3-mtp") / "out"
-    convert(src, out, 2, preset="kimi-k3")
-    return src, out
+    return src, conversion_cache(src, 2, preset="kimi-k3")
 
 
 def test_kimi_k3s_mtp_layer_is_recorded_as_a_drafts_and_sharded_like_its_mla_moe_decoder_layer(k3_mtp):

@@ -31,13 +31,11 @@ def invoke(*args):
 
 
 @pytest.fixture(scope="module")
-def mla_outputs(checkpoint_cache, tmp_path_factory):
-    root = tmp_path_factory.mktemp("presets")
+def mla_outputs(checkpoint_cache, conversion_cache):
     made = {}
     for arch in ("deepseek-v3-mla", "kimi-k2-mla", "deepseek-v3-mla-q-proj"):
         src = checkpoint_cache(arch, layers=4)
-        convert(src, root / arch, 2, preset="deepseek-v3")
-        made[arch] = src, root / arch
+        made[arch] = src, conversion_cache(src, 2, preset="deepseek-v3")
     return made
 
 

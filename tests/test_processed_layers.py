@@ -68,18 +68,14 @@ def _bound_logits(rank: int, world_size: int, out: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def llama_n2(checkpoint_cache, tmp_path_factory):
+def llama_n2(checkpoint_cache, conversion_cache):
     src = checkpoint_cache("llama")
-    out = tmp_path_factory.mktemp("processed") / "out"
-    convert(src, out, 2, preset="llama")
-    return src, out
+    return src, conversion_cache(src, 2, preset="llama")
 
 
 @pytest.fixture(scope="module")
-def llama_n1(checkpoint_cache, tmp_path_factory):
-    out = tmp_path_factory.mktemp("processed") / "n1"
-    convert(checkpoint_cache("llama"), out, 1, preset="llama")
-    return out
+def llama_n1(checkpoint_cache, conversion_cache):
+    return conversion_cache(checkpoint_cache("llama"), 1, preset="llama")
 
 
 def test_a_model_bound_to_processed_layers_gives_the_sources_logits_bit_for_bit(llama_n2):

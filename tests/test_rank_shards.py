@@ -25,11 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def out3(checkpoint_cache, tmp_path_factory):
+def out3(checkpoint_cache, conversion_cache):
     """A llama checkpoint converted for 3 ranks (rows not divisible by 3: chunks split tensors)."""
-    out = tmp_path_factory.mktemp("shards") / "out"
-    convert(checkpoint_cache("llama", layers=4), out, 3, preset="llama")
-    return out
+    return conversion_cache(checkpoint_cache("llama", layers=4), 3, preset="llama")
 
 
 def only_rank(out: Path, rank: int, dest: Path) -> Path:

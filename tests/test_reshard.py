@@ -126,10 +126,8 @@ def test_a_manifest_whose_entries_sit_elsewhere_is_not_resharded(checkpoint_cach
 
 
 @pytest.fixture(scope="module")
-def out8(checkpoint_cache, tmp_path_factory):
-    out = tmp_path_factory.mktemp("out8") / "out"
-    convert(checkpoint_cache("llama", sharded=True, layers=4), out, 8, preset="llama")
-    return out
+def out8(checkpoint_cache, conversion_cache):
+    return conversion_cache(checkpoint_cache("llama", sharded=True, layers=4), 8, preset="llama")
 
 
 def flip(path, offset):

@@ -124,10 +124,8 @@ def test_run_matches_transformers_bit_for_bit(checkpoint_cache, tmp_path, arch, 
 
 
 @pytest.fixture(scope="module")
-def llama_n2(checkpoint_cache, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run-errors") / "llama-n2"
-    convert(checkpoint_cache("llama"), out, 2, preset="llama")
-    return out
+def llama_n2(checkpoint_cache, conversion_cache):
+    return conversion_cache(checkpoint_cache("llama"), 2, preset="llama")
 
 
 def run_cli_error(*args):
@@ -159,12 +157,10 @@ GROUP_PROMPTS = ["hello world", "the model", "shard the weights", "gpu rank", "a
 
 
 @pytest.fixture(scope="module")
-def groups_case(checkpoint_cache, tmp_path_factory):
+def groups_case(checkpoint_cache, conversion_cache):
     """(source, OUT converted for 2 ranks, transformers' tokens and logits per prompt)."""
     src = checkpoint_cache("llama")
-    out = tmp_path_factory.mktemp("groups") / "out"
-    convert(src, out, 2, preset="llama")
-    return src, out, transformers_outputs(src, GROUP_PROMPTS, causal=True)
+    return src, conversion_cache(src, 2, preset="llama"), transformers_outputs(src, GROUP_PROMPTS, causal=True)
 
 
 def check_groups_run(summary, saved, src, out, want, nodes):

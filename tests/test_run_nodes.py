@@ -15,15 +15,12 @@ from spawn_group import free_port
 from test_run import run_at_once
 
 from shardprep.errors import OptionsMismatchError
-from shardprep.prep.convert import convert
 from shardprep.standalone.runner import RunOptions, agreed_options, check_same_options
 
 
 @pytest.fixture(scope="module")
-def llama_n2(checkpoint_cache, tmp_path_factory):
-    out = tmp_path_factory.mktemp("nodes") / "out"
-    convert(checkpoint_cache("llama"), out, 2, preset="llama")
-    return out
+def llama_n2(checkpoint_cache, conversion_cache):
+    return conversion_cache(checkpoint_cache("llama"), 2, preset="llama")
 
 
 def run_two_nodes(out, tmp_path, node_args=((), ()), missing_on_node1=()):

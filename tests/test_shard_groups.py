@@ -18,7 +18,6 @@ from test_gatherer import local_only_dir
 
 from shardprep.errors import ShardprepError
 from shardprep.manifests.shard_groups import ShardGroups, group_size_problem, largest_node_local_group
-from shardprep.prep.convert import convert
 
 W, N = 4, 2
 
@@ -57,13 +56,12 @@ def test_the_largest_node_local_group_divides_the_world_and_fits_a_node(world, p
 
 # -- the process groups, on 4 gloo ranks on 2 nodes ---------------------------------------------------
 @pytest.fixture(scope="module")
-def world(checkpoint_cache, tmp_path_factory):
+def world(checkpoint_cache, conversion_cache, tmp_path_factory):
     """(source, converted dir, per-rank results): each rank's directory holds only its rank file."""
     src = checkpoint_cache("llama", layers=4)
-    root = tmp_path_factory.mktemp("shard-groups")
-    convert(src, root / "out", N, preset="llama")
-    dirs = [str(local_only_dir(root / "out", rank % N, root / f"rank{rank}")) for rank in range(W)]
-    return src, root / "out", run_ranks(_suite, W, dirs, str(src), timeout=180)
+    root, out = tmp_path_factory.mktemp("shard-groups"), conversion_cache(src, N, preset="llama")
+    dirs = [str(local_only_dir(out, rank % N, root / f"rank{rank}")) for rank in range(W)]
+    return src, out, run_ranks(_suite, W, dirs, str(src), timeout=180)
 
 
 def _suite(rank: int, world_size: int, dirs: list[str], src_dir: str) -> dict:

@@ -31,7 +31,6 @@ from shardprep.integrations.sglang.adapter import SglangAdapter
 from shardprep.integrations.sharded_load import ShardedLoad, check_layout
 from shardprep.integrations.vllm.adapter import VllmAdapter
 from shardprep.manifests import load_manifest
-from shardprep.prep.convert import convert
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDED = ShardprepLoadOptions(shard_weights=True)
@@ -44,19 +43,15 @@ def layout(**changes) -> WorkerLayout:
 
 
 @pytest.fixture(scope="module")
-def llama_out(checkpoint_cache, tmp_path_factory):
+def llama_out(checkpoint_cache, conversion_cache):
     src = checkpoint_cache("llama")
-    out = tmp_path_factory.mktemp("sharded-load") / "out"
-    convert(src, out, 2, preset="llama")
-    return src, out
+    return src, conversion_cache(src, 2, preset="llama")
 
 
 @pytest.fixture(scope="module")
-def llama_one(checkpoint_cache, tmp_path_factory):
+def llama_one(checkpoint_cache, conversion_cache):
     src = checkpoint_cache("llama")
-    out = tmp_path_factory.mktemp("sharded-load-1") / "out"
-    convert(src, out, 1, preset="llama")
-    return src, out
+    return src, conversion_cache(src, 1, preset="llama")
 
 
 def llama(src: Path) -> nn.Module:

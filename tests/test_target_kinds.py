@@ -9,17 +9,14 @@ from typer.testing import CliRunner
 
 from shardprep.cli import app
 from shardprep.manifests import load_manifest
-from shardprep.prep.convert import convert
 from shardprep.prep.inspect import inspect
 from shardprep.prep.target_kinds import layer_target_kinds
 
 
 @pytest.fixture(scope="module")
-def kimi_linear(checkpoint_cache, tmp_path_factory):
+def kimi_linear(checkpoint_cache, conversion_cache):
     src = checkpoint_cache("kimi-linear", layers=4)
-    out = tmp_path_factory.mktemp("kinds") / "out"
-    convert(src, out, 2, preset="kimi-linear")
-    return src, out
+    return src, conversion_cache(src, 2, preset="kimi-linear")
 
 
 def expected_kinds(out):

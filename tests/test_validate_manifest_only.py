@@ -25,11 +25,9 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def converted(checkpoint_cache, tmp_path_factory):
+def converted(checkpoint_cache, conversion_cache):
     src = checkpoint_cache("deepseek-v3", sharded=True)
-    out = tmp_path_factory.mktemp("manifest-only") / "out"
-    convert(src, out, 3, preset="deepseek-v3")
-    return src, out
+    return src, conversion_cache(src, 3, preset="deepseek-v3")
 
 
 @pytest.fixture
