@@ -47,6 +47,7 @@ prints in `workdir/engines.log`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -142,20 +143,29 @@ class _Server:
         atexit.register(self.close)
 
     def run(self, plan: Path, results: Path, log: Path, env: dict[str, str], timeout: float) -> int:
+        """Run one plan; its process's exit status. A plan left unfinished (a timeout, pytest's own timeout
+        interrupting the wait) is killed with its process group, and the server with it: its answers would no
+        longer match the requests."""
         import signal
 
         assert self.proc.stdin is not None
         request = {"plan": str(plan), "results": str(results), "log": str(log), "env": env}
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
-        # The first answer comes once vLLM is imported (the first plan waits for it), the second when the plan ends.
-        pid = self._answer(timeout)
+        pid = None
         try:
+            # The first answer comes once vLLM is imported (the first plan waits for it), the second when the plan
+            # ends.
+            pid = self._answer(timeout)
             return self._answer(timeout)
-        except TimeoutError:
-            os.killpg(pid, signal.SIGKILL)
-            self._answer(60)
-            raise subprocess.TimeoutExpired(f"plan {plan}", timeout) from None
+        except BaseException as exc:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+            self.close()
+            if isinstance(exc, TimeoutError):
+                raise subprocess.TimeoutExpired(f"plan {plan}", timeout) from None
+            raise
 
     def _answer(self, timeout: float) -> int:
         """The server's next line, read unbuffered (a buffered reader could hold the next answer while
@@ -197,6 +207,9 @@ def _server() -> _Server:
 
 def serve() -> None:
     """The server's loop (`--serve`): import vLLM, then fork a process per plan requested on stdin."""
+    import select
+    import signal
+
     from vllm import LLM, SamplingParams  # noqa: F401  (the import every plan process inherits)
     from vllm.distributed import cleanup_dist_env_and_memory  # noqa: F401
 
@@ -207,7 +220,17 @@ def serve() -> None:
         if pid == 0:
             _plan_process(request)  # never returns
         print(pid, flush=True)
-        _, status = os.waitpid(pid, 0)
+        while True:
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                break
+            # stdin readable mid-plan means it closed: the test's process is gone (maybe killed, no atexit run), so
+            # the plan goes too, with its process group.
+            if select.select([sys.stdin], [], [], 1.0)[0]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
         print(os.waitstatus_to_exitcode(status), flush=True)
 
 
