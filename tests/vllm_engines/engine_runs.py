@@ -395,6 +395,8 @@ def free_ports(n: int) -> list[int]:
     hosts the store, the other rank then waiting for it); below that range the kernel never hands one out."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral = int(f.read().split()[0])
+    if n == 0:
+        return []
     span = PORTS_PER_ENGINE * n
     start = 10000 + (os.getpid() * 7919) % (ephemeral - 10000 - span)
     for base in [*range(start, ephemeral - span, span), *range(10000, start, span)]:
