@@ -418,6 +418,40 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def collect_dp_ranks(procs: list, queue, timeout: float, grace: float = 10.0) -> dict[int, dict]:
+    """Each DP rank's results. A rank that dies without putting them (a signal, a crash in vLLM's C++) is noticed
+    within a second and reported by its exit code or signal; its peers, which would wait for it in a collective,
+    get `grace` seconds to finish, then are killed and reported too. Nothing waits out `timeout` for a dead rank."""
+    import queue as queue_module
+    import signal
+
+    got: dict[int, dict] = {}
+    deadline, failed_at = time.monotonic() + timeout, None
+    while len(got) < len(procs):
+        try:
+            rank, value = queue.get(timeout=1)
+            got[rank] = value
+            continue
+        except queue_module.Empty:
+            pass
+        for rank, p in enumerate(procs):
+            if rank not in got and p.exitcode is not None:
+                code = p.exitcode
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                got[rank] = {"_crash": {"error": f"DP rank {rank} exited without a result ({how})"}}
+                failed_at = failed_at or time.monotonic()
+        now = time.monotonic()
+        if now > deadline or (failed_at is not None and now - failed_at > grace):
+            why = "did not finish in time" if now > deadline else "was stopped: a peer DP rank died"
+            for rank in range(len(procs)):
+                got.setdefault(rank, {"_crash": {"error": f"DP rank {rank} {why}"}})
+    for p in procs:
+        p.join(timeout=1 if failed_at is not None else 120)
+        if p.is_alive():
+            p.kill()
+    return got
+
+
 def main(plan_path: str, results_path: str, fork: bool = False) -> None:
     """Run the plan, its DP ranks in processes forked from this one (`fork`: vLLM is imported here) or spawned."""
     plan = json.loads(open(plan_path).read())
@@ -437,11 +471,7 @@ def main(plan_path: str, results_path: str, fork: bool = False) -> None:
         procs = [ctx.Process(target=dp_rank_main, args=(plan, r, ports, barrier, queue)) for r in range(n)]
         for p in procs:
             p.start()
-        got = dict(queue.get(timeout=1800) for _ in procs)
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
+        got = collect_dp_ranks(procs, queue, timeout=1800)
         by_rank = [got[r] for r in range(n)]
     names = [run["name"] for run in plan["runs"]]
     crashed = {"error": "the DP rank's process crashed before this run (see its traceback)"}
