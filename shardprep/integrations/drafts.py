@@ -20,7 +20,9 @@ draft's first gather (it hides behind that layer), and every rank issues them in
 A draft model from its own checkpoint (DFlash, EAGLE-3: `DraftLayers.is_model`, converted for the same N) has rank
 files of its own: each rank's chunks of the draft follow its chunks of the target in one buffer (`joined_shards`;
 the draft's layers renumbered after the target's, their names unchanged), and the target's binding moves onto a
-gatherer over both (`Binding.rehome`). A server copying a draft's weights at load (DFlash's fused K/V projection of
+gatherer over both (`Binding.rehome`, `join_draft_model`). Beside a target processed at load (block FP8), the
+target's chunks in that buffer are its processed ones, and the draft's (unquantized: a quantized draft model is
+refused) follow them as converted; the target's strided views keep their strides. A server copying a draft's weights at load (DFlash's fused K/V projection of
 every layer, used before the draft's first layer runs) copies the gathered weights (`ServerAdapter.
 copy_draft_weights_at_load`), so the draft computes what full mode computes.
 """
@@ -39,7 +41,7 @@ from torch import nn
 
 from ..errors import ShardprepError
 from ..loader.rank_shards import RankShards, open_rank
-from ..manifests.draft_layers import target_mismatch
+from ..manifests.draft_layers import DraftLayers, target_mismatch
 from ..manifests.layout import align_up
 from ..manifests.manifest import Manifest
 from ..manifests.strict_json import read_json_file
@@ -186,7 +188,7 @@ class DraftLoad:
         renamed = renumbered_names(manifest, offset)
         bound = bind_draft(binding, {layer + offset: found[layer] for layer in draft.layers}, renamed)
         ids = {id(param) for layer in bound for param, _ in layer.params}
-        self._refuse_quantized(model, ids, target)
+        refuse_quantized_draft_model(adapter, model, ids, directory, draft, target.processed is not None)
         keep_bound_modules_plain(adapter, model, ids, str(directory))
         load_replicated(adapter, model, directory, manifest, self.options.verify, ids)
         check_built_were_bound(self.built, model, binding.draft_parameters.values(), directory, "a draft target")
@@ -196,19 +198,6 @@ class DraftLoad:
         adapter.logger().info(model_draft_startup_line(binding, directory, manifest, served, target.processed,
                                                        adapter.spelling.server))
         return binding
-
-    def _refuse_quantized(self, model: nn.Module, bound: set[int], target: ShardedLoad) -> None:
-        """A draft model whose sharded layers are quantized: they are gathered as converted (unprocessed), which a
-        quantized module's processed kernel would not read; refused, whatever the target. `bound`: the ids of the
-        draft's bound parameters."""
-        assert self.manifest.draft is not None
-        beside = "a target processed at load" if target.processed is not None else "an unquantized target"
-        for name, module in model.named_modules():
-            if self.adapter.is_quantized(module) and any(id(p) in bound for p in module.parameters(recurse=False)):
-                raise ShardprepError(
-                    f"{self.directory}: {self.manifest.draft.describe()} is quantized ({name}) and sharded beside "
-                    f"{beside}, which is not supported (a draft model is sharded unquantized only); serve the draft "
-                    "apart (draft_load_config with the server's own load format) or convert an unquantized draft")
 
     def _is_target(self, name: str) -> bool:
         """Whether a draft model's parameter (by the model's name) is one of the draft's sharded layers."""
@@ -222,6 +211,23 @@ def _config(directory: str | Path) -> dict[str, Any] | None:
     config = read_json_file(Path(directory) / "config.json", max_bytes=16 << 20, what="config.json",
                             allow_duplicate_keys=True)
     return config if isinstance(config, dict) else None
+
+
+def refuse_quantized_draft_model(adapter: ServerAdapter, model: nn.Module, bound: set[int], directory: str | Path,
+                                 draft: DraftLayers, beside_processed: bool) -> None:
+    """Refuse a draft model (DFlash, EAGLE-3) whose sharded layers the server quantized: they are gathered as
+    converted, unprocessed, which a quantized module's processed kernel would not read; whatever the target.
+    `bound`: the ids of the draft's bound parameters; `beside_processed`: whether the target was processed at load.
+
+    >>> refuse_quantized_draft_model(adapter, draft_model, ids, "draft-out/", manifest.draft, True)  # doctest: +SKIP
+    """
+    beside = "a target processed at load" if beside_processed else "an unquantized target"
+    for name, module in model.named_modules():
+        if adapter.is_quantized(module) and any(id(p) in bound for p in module.parameters(recurse=False)):
+            raise ShardprepError(
+                f"{directory}: {draft.describe()} is quantized ({name}) and sharded beside {beside}, which is not "
+                "supported (a draft model is sharded unquantized only); serve the draft apart (draft_load_config "
+                "with the server's own load format) or convert an unquantized draft")
 
 
 def joined_shards(target: RankShards, draft: RankShards, offset: int) -> RankShards:
