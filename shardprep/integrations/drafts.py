@@ -22,9 +22,9 @@ files of its own: each rank's chunks of the draft follow its chunks of the targe
 the draft's layers renumbered after the target's, their names unchanged), and the target's binding moves onto a
 gatherer over both (`Binding.rehome`, `join_draft_model`). Beside a target processed at load (block FP8), the
 target's chunks in that buffer are its processed ones, and the draft's (unquantized: a quantized draft model is
-refused) follow them as converted; the target's strided views keep their strides. A server copying a draft's weights at load (DFlash's fused K/V projection of
-every layer, used before the draft's first layer runs) copies the gathered weights (`ServerAdapter.
-copy_draft_weights_at_load`), so the draft computes what full mode computes.
+refused) follow them as converted; the target's strided views keep their strides. A server copying a draft's
+weights at load (DFlash's fused K/V projection of every layer, used before the draft's first layer runs) copies the
+gathered weights (`ServerAdapter.copy_draft_weights_at_load`), so the draft computes what full mode computes.
 """
 
 from __future__ import annotations
