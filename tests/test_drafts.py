@@ -344,3 +344,26 @@ def test_manifests_without_a_draft_and_with_an_mtp_draft_keep_their_bytes(outs, 
     assert "draft" not in manifest_data(outs["target"])
     assert manifest_data(tmp_path / "mtp")["draft"] == {"kind": "mtp", "layers": [3]}
     assert "unnumbered_layers" not in manifest_data(tmp_path / "mtp")["selection"]
+
+
+def test_a_quantized_draft_model_is_refused_naming_the_module_and_the_way_on():
+    from fake_server import FakeServer
+
+    from shardprep.integrations.drafts import refuse_quantized_draft_model
+
+    class Quantizing(FakeServer):  # the server built the draft's o_proj with a quantized method
+        def is_quantized(self, module):
+            return getattr(module, "quantized", False)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].quantized = True
+    draft = DraftLayers("dflash", (0, 1), DraftTarget(64, 128))
+    refuse_quantized_draft_model(Quantizing(), model, {id(model[0].weight)}, "d/", draft, True)  # a plain one passes
+    with pytest.raises(ShardprepError) as e:
+        refuse_quantized_draft_model(Quantizing(), model, {id(model[1].weight)}, "d/", draft, True)
+    assert str(e.value) == (
+        "d/: the DFlash draft model (layers 0, 1) is quantized (1) and sharded beside a target processed at load, "
+        "which is not supported (a draft model is sharded unquantized only); serve the draft apart "
+        "(draft_load_config with the server's own load format) or convert an unquantized draft")
+    with pytest.raises(ShardprepError, match="sharded beside an unquantized target"):
+        refuse_quantized_draft_model(Quantizing(), model, {id(model[1].weight)}, "d/", draft, False)

@@ -327,3 +327,85 @@ def test_a_draft_layer_processed_after_the_target_is_gathered_after_it_and_gives
         assert got["modules"] == ("model.layers.3.self_attn.o_proj",)
         assert got["gathered"] == [1, 2, 3]
         assert got["same_binding"] and got["same_key"] and got["held"]
+
+
+
+def _draft_model_beside_processed(rank: int, world_size: int, out: str, src: str, drafted: tuple[int, ...],
+                                  rename: bool) -> dict:
+    """A draft model from its own rank file (DFlash's kind: each layer gathered once per step) beside a target
+    processed at load: the Llama's layer 2 o_proj processed into strided tensors (the target), the Llama's own rank
+    file recorded as a DFlash draft of layers `drafted` (the draft's; its tensors named `draft.layers.*` with
+    `rename`, as a draft's own checkpoint names them apart from the target's), bound to a second Llama loaded whole
+    from `src`. The target's forward runs first (its last layer dispatches the draft's first gather), then the
+    draft's."""
+    import dataclasses
+
+    import transformers
+
+    from shardprep.integrations.drafts import join_draft_model, renumbered_names
+    from shardprep.manifests.draft_layers import DraftLayers, DraftTarget
+    from shardprep.manifests.manifest import load_manifest
+    from shardprep.runtime.binding import bind_draft
+
+    binding = placeholder_bound(out, rank, world_size)
+    for name, module in binding.model.named_modules():
+        if hasattr(module, "stand_in") and name != "model.layers.2.self_attn.o_proj":
+            del module.stand_in
+    target = process_layers(binding, None, quantized, into_strided)
+    processed = target.binding.shards
+    manifest = load_manifest(out)
+    as_draft = dataclasses.replace(manifest, draft=DraftLayers("dflash", drafted, DraftTarget(64, 128)))
+    if rename:  # as a draft's own checkpoint names its layers (DFlash's `layers.0...`): apart from the target's
+        def draft_name(name: str) -> str:
+            return name.replace("model.layers.", "draft.layers.", 1)
+
+        as_draft = dataclasses.replace(as_draft, layers=tuple(dataclasses.replace(
+            r, entries=tuple(dataclasses.replace(e, name=draft_name(e.name)) for e in r.entries),
+            views=tuple(dataclasses.replace(v, name=draft_name(v.name), members=tuple(map(draft_name, v.members)))
+                        for v in r.views)) for r in manifest.layers))
+    own = open_rank(out, rank, world_size=world_size, manifest=as_draft)
+    try:
+        offset = join_draft_model(target.binding, own, target)
+    except ShardprepError as e:
+        return {"error": str(e)}
+    draft_model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    bound = bind_draft(target.binding, {i + offset: draft_model.model.layers[i] for i in drafted},
+                       renumbered_names(as_draft, offset))
+    new = target.binding
+    with torch.no_grad():
+        logits = new.model(torch.tensor(PROMPT)).logits  # the processed o_proj's stride asserts run here
+        draft_logits = draft_model(torch.tensor(PROMPT)).logits
+    joined = new.shards
+    return {"logits": logits.float().tolist(), "draft_logits": draft_logits.float().tolist(), "offset": offset,
+            "gathered": list(new.gatherer.layers), "bound": [layer.index for layer in bound],
+            "target_kept": bool(torch.equal(joined.buffer[:processed.nbytes], processed.buffer)),
+            "draft_held": [joined.chunk(i + offset).numel() for i in drafted] == [own.chunk(i).numel()
+                                                                                 for i in drafted],
+            "draft_bytes": all(torch.equal(joined.chunk(i + offset), own.chunk(i)) for i in drafted)}
+
+
+def test_a_draft_model_joins_a_processed_target_its_own_bytes_after_the_processed_ones(llama_n2):
+    """What sharded mode does with a DFlash or EAGLE-3 draft beside a quantized target (drafts.join_draft_model):
+    both models give the source's logits bit for bit, the target's from its processed, strided layout (its views
+    rebuilt with their strides over the joined buffer, or its forward's stride assert fails), the draft's from its
+    own unprocessed chunks, which follow the target's processed ones in one buffer."""
+    import transformers
+
+    src, out = llama_n2
+    reference = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(torch.tensor(PROMPT)).logits.float().tolist()
+    for got in run_ranks(_draft_model_beside_processed, 2, str(out), str(src), (1, 2), True, timeout=300):
+        assert got.get("logits") == expected, got.get("error")
+        assert got["draft_logits"] == expected
+        assert got["offset"] == 3 and got["gathered"] == [1, 2, 4, 5] and got["bound"] == [4, 5]
+        assert got["target_kept"] and got["draft_held"] and got["draft_bytes"]
+
+
+def test_a_draft_tensor_named_as_a_strided_processed_target_tensor_is_refused_naming_it(llama_n2):
+    src, out = llama_n2
+    for got in run_ranks(_draft_model_beside_processed, 2, str(out), str(src), (1, 2), False, timeout=300):
+        assert got["error"] == (
+            "model.layers.2.self_attn.o_proj.weight: a tensor of the draft model and a strided tensor of the "
+            "processed target have this one name, so the draft's would be seen with the target's strides; serve "
+            "the draft apart (draft_load_config with the server's own load format)"), got

@@ -20,9 +20,11 @@ draft's first gather (it hides behind that layer), and every rank issues them in
 A draft model from its own checkpoint (DFlash, EAGLE-3: `DraftLayers.is_model`, converted for the same N) has rank
 files of its own: each rank's chunks of the draft follow its chunks of the target in one buffer (`joined_shards`;
 the draft's layers renumbered after the target's, their names unchanged), and the target's binding moves onto a
-gatherer over both (`Binding.rehome`). A server copying a draft's weights at load (DFlash's fused K/V projection of
-every layer, used before the draft's first layer runs) copies the gathered weights (`ServerAdapter.
-copy_draft_weights_at_load`), so the draft computes what full mode computes.
+gatherer over both (`Binding.rehome`, `join_draft_model`). Beside a target processed at load (block FP8), the
+target's chunks in that buffer are its processed ones, and the draft's (unquantized: a quantized draft model is
+refused) follow them as converted; the target's strided views keep their strides. A server copying a draft's
+weights at load (DFlash's fused K/V projection of every layer, used before the draft's first layer runs) copies the
+gathered weights (`ServerAdapter.copy_draft_weights_at_load`), so the draft computes what full mode computes.
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ from torch import nn
 
 from ..errors import ShardprepError
 from ..loader.rank_shards import RankShards, open_rank
-from ..manifests.draft_layers import target_mismatch
+from ..manifests.draft_layers import DraftLayers, target_mismatch
 from ..manifests.layout import align_up
 from ..manifests.manifest import Manifest
 from ..manifests.strict_json import read_json_file
-from ..planning.accounting import draft_account
+from ..planning.accounting import account, draft_account
 from ..runtime.binding import Binding, BoundLayer, bind_draft, draft_layers
 from ..runtime.gatherer import LayerGatherer
 from ..runtime.views import layer_views
@@ -172,30 +174,29 @@ class DraftLoad:
         problem = target_mismatch(draft, _config(target.directory))
         if problem is not None:
             raise ShardprepError(f"{directory}: {problem}; serve it beside the target it was trained for")
-        if target.processed is not None:
-            raise ShardprepError(f"{directory}: the {draft.describe()} is sharded beside a target processed at load "
-                                 "(quantized), which is not supported yet; load the draft apart (the server's own "
-                                 "load format for the draft) or serve the target in full mode")
         targets = {name: p for name, p in model.named_parameters() if self._is_target(name)}
         adapter.refuse_unshardable(model, targets, str(directory))
+        found = adapter.draft_layer_modules(model, draft.layers)
         binding = target.binding
+        served = binding.shards.manifest.without_draft()
         own = open_rank(directory, binding.shards.rank, world_size=n, device=binding.shards.device,
                         verify=self.options.verify, manifest=manifest)
-        offset = max(binding.gatherer.layers) + 1
-        joined = joined_shards(binding.shards, own, offset)
-        binding.rehome(joined, LayerGatherer(joined, group=binding.gatherer.group, backend="auto"))
-        target.shards = joined  # the target's first buffer goes with its gatherer
-        found = adapter.draft_layer_modules(model, draft.layers)
+        offset = join_draft_model(binding, own, target.processed)
+        joined = binding.shards
+        if target.processed is None:
+            target.shards = joined  # the target's first buffer goes with its gatherer
         renamed = renumbered_names(manifest, offset)
         bound = bind_draft(binding, {layer + offset: found[layer] for layer in draft.layers}, renamed)
         ids = {id(param) for layer in bound for param, _ in layer.params}
+        refuse_quantized_draft_model(adapter, model, ids, directory, draft, target.processed is not None)
         keep_bound_modules_plain(adapter, model, ids, str(directory))
         load_replicated(adapter, model, directory, manifest, self.options.verify, ids)
         check_built_were_bound(self.built, model, binding.draft_parameters.values(), directory, "a draft target")
         with whole_layers(bound, joined, binding.gatherer):
             adapter.copy_draft_weights_at_load(model)
         self.binding = binding
-        adapter.logger().info(model_draft_startup_line(binding, directory, manifest, target.manifest))
+        adapter.logger().info(model_draft_startup_line(binding, directory, manifest, served, target.processed,
+                                                       adapter.spelling.server))
         return binding
 
     def _is_target(self, name: str) -> bool:
@@ -210,6 +211,23 @@ def _config(directory: str | Path) -> dict[str, Any] | None:
     config = read_json_file(Path(directory) / "config.json", max_bytes=16 << 20, what="config.json",
                             allow_duplicate_keys=True)
     return config if isinstance(config, dict) else None
+
+
+def refuse_quantized_draft_model(adapter: ServerAdapter, model: nn.Module, bound: set[int], directory: str | Path,
+                                 draft: DraftLayers, beside_processed: bool) -> None:
+    """Refuse a draft model (DFlash, EAGLE-3) whose sharded layers the server quantized: they are gathered as
+    converted, unprocessed, which a quantized module's processed kernel would not read; whatever the target.
+    `bound`: the ids of the draft's bound parameters; `beside_processed`: whether the target was processed at load.
+
+    >>> refuse_quantized_draft_model(adapter, draft_model, ids, "draft-out/", manifest.draft, True)  # doctest: +SKIP
+    """
+    beside = "a target processed at load" if beside_processed else "an unquantized target"
+    for name, module in model.named_modules():
+        if adapter.is_quantized(module) and any(id(p) in bound for p in module.parameters(recurse=False)):
+            raise ShardprepError(
+                f"{directory}: {draft.describe()} is quantized ({name}) and sharded beside {beside}, which is not "
+                "supported (a draft model is sharded unquantized only); serve the draft apart (draft_load_config "
+                "with the server's own load format) or convert an unquantized draft")
 
 
 def joined_shards(target: RankShards, draft: RankShards, offset: int) -> RankShards:
@@ -234,6 +252,28 @@ def joined_shards(target: RankShards, draft: RankShards, offset: int) -> RankSha
     for r, moved in zip(draft.manifest.layers, records[len(old.layers):]):
         draft.read_chunk(r.layer, into=buffer[moved.file_offset:moved.file_offset + r.chunk_bytes])
     return RankShards(manifest, target.rank, buffer)
+
+
+def join_draft_model(binding: Binding, draft: RankShards, processed: ProcessedLayers | None = None) -> int:
+    """Move `binding` (the target's) onto one buffer holding its chunks, then `draft`'s (a draft model's own rank
+    file), and a gatherer over both; returns the offset added to the draft's layer numbers. With the target
+    processed at load (`processed`), its chunks are the processed ones (R'/N, as its kernels read them) and the
+    draft's follow them as converted; the target's strided tensors (packed scales) keep their strides. Bind the
+    draft's layers afterwards (`bind_draft`, by `renumbered_names`).
+
+    >>> offset = join_draft_model(target.binding, open_rank("draft-out/", rank), target.processed)  # doctest: +SKIP
+    """
+    strides = None if processed is None else processed.strides
+    # The gatherer keys strides by tensor name, and the draft's names are its own checkpoint's, kept as they are.
+    clash = sorted({e.name for r in draft.manifest.layers for e in r.entries} & set(strides or ()))
+    if clash:
+        raise ShardprepError(f"{clash[0]}: a tensor of the draft model and a strided tensor of the processed target "
+                             "have this one name, so the draft's would be seen with the target's strides; serve "
+                             "the draft apart (draft_load_config with the server's own load format)")
+    offset = max(binding.gatherer.layers) + 1
+    joined = joined_shards(binding.shards, draft, offset)
+    binding.rehome(joined, LayerGatherer(joined, group=binding.gatherer.group, backend="auto", strides=strides))
+    return offset
 
 
 def renumbered_names(manifest: Manifest, offset: int) -> Callable[[str], str]:
@@ -302,14 +342,18 @@ def draft_startup_line(binding: Binding, directory: str | Path, processed: Proce
                f"read them (the rank file held {processed.rank_file_bytes})"))
 
 
-def model_draft_startup_line(binding: Binding, directory: str | Path, draft: Manifest, target: Manifest) -> str:
+def model_draft_startup_line(binding: Binding, directory: str | Path, draft: Manifest, target: Manifest,
+                             processed: ProcessedLayers | None = None, server: str = "the server") -> str:
     """The line each rank logs once a draft model from its own checkpoint is bound: its layers, where their gathers
-    hide, and its resident and saved bytes apart from the target's (gathered in the target's slots).
+    hide, and its resident and saved bytes apart from the target's (gathered in the target's slots). `target`: the
+    target's layers as served (with the target processed at load, `processed`, the processed layout, whose largest
+    layer sizes the slots); the line then also gives the target's processed bytes.
 
     >>> log.info(model_draft_startup_line(binding, "draft-out/", draft_manifest, target_manifest))  # doctest: +SKIP
     """
     assert draft.draft is not None
-    figures = draft_account(draft, binding.gatherer.num_slots, target=target.without_draft())
+    target = target.without_draft()
+    figures = draft_account(draft, binding.gatherer.num_slots, target=target)
     assert figures is not None
     layers = ", ".join(map(str, draft.draft.layers))
     joined = binding.shards.manifest.draft
@@ -320,4 +364,8 @@ def model_draft_startup_line(binding: Binding, directory: str | Path, draft: Man
             f"layers {layers} gathered after the target's layers (the first dispatched before the target's last layer "
             f"computes), into the target's slots; this rank holds {held} bytes of its chunks (R/N); resident draft "
             f"bytes {figures['resident_bytes']}, saved {figures['saved_bytes']} against {figures['sharded_bytes']} "
-            "for its full weights")
+            "for its full weights"
+            + ("" if processed is None else
+               f"; beside a target processed at load ({len(processed.modules)} quantized modules): the target's "
+               f"processed bytes {account(target).sharded_bytes}, {server}'s kernels' layout (its rank file held "
+               f"{processed.rank_file_bytes} a rank), the draft's as converted"))
