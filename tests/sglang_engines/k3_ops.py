@@ -27,6 +27,7 @@ point registering HookRegistry REPLACE hooks), declared by the engine runner (sg
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import types
@@ -36,9 +37,12 @@ import torch
 
 NAME = "shardprep_test_k3_ops"
 ENV = "SHARDPREP_TEST_K3_OPS"
+LINE = "shardprep test plugin: Kimi K3's Triton ops run as torch references"
+"""What each engine process logs once the references are registered (the tests check that they were)."""
 PAD_SLOT_ID = -1  # SGLang's mamba kernels' padding slot
 KDA_BACKEND = "sglang.srt.layers.attention.linear.kda_backend"
 KDA_TRITON = "sglang.srt.layers.attention.linear.kernels.kda_triton"
+_library: Any = None  # the torch.library fragment naming GDN's CPU ops (kept alive for the process)
 
 
 def register() -> None:
@@ -49,21 +53,31 @@ def register() -> None:
 
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    global _library
     # kda_backend imports `sgl_kernel.mamba` at module level on the CPU: it must exist before the hooks import it.
+    # SGLang's hybrid-attention setup imports the GDN backend too (gdn_backend.py, kernels/gdn_triton.py), which
+    # binds GDN's CPU kernels at import; K3 never calls them, so they raise if anything does.
+    sgl_kernel = importlib.import_module("sgl_kernel")
     mamba = types.ModuleType("sgl_kernel.mamba")
     mamba.causal_conv1d_update_cpu = causal_conv1d_update  # type: ignore[attr-defined]
+    for name in ("causal_conv1d_fn_cpu", "chunk_gated_delta_rule_cpu"):
+        setattr(mamba, name, sgl_kernel.not_stood_in(f"mamba.{name}"))
     sys.modules["sgl_kernel.mamba"] = mamba
-    sgl_kernel = importlib.import_module("sgl_kernel")
     sgl_kernel.mamba = mamba  # type: ignore[attr-defined]
+    if _library is None:
+        _library = torch.library.Library("sgl_kernel", "FRAGMENT")
+        for name in ("fused_sigmoid_gating_delta_rule_update_cpu", "fused_gdn_gating_cpu"):
+            _library.define(f"{name}(Tensor x) -> Tensor")
+            _library.impl(name, sgl_kernel.not_stood_in(name), "CPU")
     # kda_triton leaves both KDA names undefined under is_cpu(); its kernel class reads them as module globals.
     kda_triton = importlib.import_module(KDA_TRITON)
     kda_triton.chunk_kda = chunk_kda  # type: ignore[attr-defined]
     kda_triton.fused_sigmoid_gating_delta_rule_update = fused_sigmoid_gating_delta_rule_update  # type: ignore
     HookRegistry.register(f"{KDA_BACKEND}.causal_conv1d_fn", causal_conv1d_fn, HookType.REPLACE)
-    HookRegistry.register(f"{KDA_BACKEND}.causal_conv1d_update", causal_conv1d_update, HookType.REPLACE)
     HookRegistry.register("sglang.kernels.ops.attention.fla.fused_norm_gate.FusedRMSNormGated.forward",
                           rms_norm_gated_forward, HookType.REPLACE)
     HookRegistry.register("sglang.srt.layers.attn_residual._mix_fused", mix_fused, HookType.REPLACE)
+    logging.getLogger("sglang.shardprep").warning(LINE)
 
 
 # --- the short convolution ----------------------------------------------------------------------------------------
