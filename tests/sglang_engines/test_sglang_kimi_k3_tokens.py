@@ -7,7 +7,7 @@ lacks, each checked in test_k3_ops.py) and kimi_k3_build.py (K3 built on the CPU
 as SGLang loads one (`KimiK3LinearForCausalLM`, tests/checkpoints.py), with peaked logits: norms 1 + 0.02·N, the
 KDA short convolutions 0.5·N, the LM head ×4 and `enable_fp32_lm_head`, without which the tiny model's bf16 logits
 tie and a token would not depend on every weight. That it does is shown here: the same model with one KDA layer's
-o_proj doubled gives another first token.
+o_proj doubled gives another first token (on the second prompt, SGLang 0.5.23 on this CPU).
 
 The comparisons:
 - tp 1: full mode (the converted directory) = SGLang's own loader (the source);
