@@ -21,6 +21,7 @@ cpu_index=https://download.pytorch.org/whl/cpu
 # SGLang's runtime imports on the CPU path (tiny Llama / Qwen3-MoE / DeepSeek-V3 engines, and launch_server's HTTP
 # server, which imports soundfile at module level for its audio endpoints), found by import errors;
 # the CUDA-only ones (sglang-kernel, flashinfer, flash-attn, deep-gemm/ep, nvidia-*, tilelang, ...) are left out.
+# fla-core: its pure-torch KDA (fla/ops/kda/naive.py) checks the K3 test plugin's references (test_k3_ops.py).
 deps=(
   transformers==5.19.0 tokenizers==0.23.2 fastapi "uvicorn>=0.51" uvloop "pyzmq>=25.1.2" orjson msgspec pybase64
   setproctitle interegular partial_json_parser xgrammar==0.2.7 "llguidance>=1.7.6,<2" openai==2.8.0
@@ -28,6 +29,7 @@ deps=(
   compressed-tensors==0.18.0 IPython dill aiohttp einops psutil requests pillow "prometheus-client>=0.20.0"
   python-multipart pydantic regex scipy tqdm numpy packaging xxhash zstandard watchfiles distro easydict
   soundfile pytest pytest-timeout
+  fla-core==0.5.2
 )
 
 if uv=$(python3 -c "import uv; print(uv.find_uv_bin())" 2>/dev/null); then

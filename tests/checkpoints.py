@@ -362,7 +362,7 @@ def kimi_k3_tensors(c: dict, prefix: str = "model.", moe: str = "block_sparse_mo
 def make_kimi_k3_checkpoint(directory: str | Path, *, layers: int = 4, vocab: int = 128,
                             dtype: torch.dtype = torch.bfloat16, seed: int = 0, tokenizer: bool = True,
                             mtp: bool = False, sglang_text: bool = False, intermediate_size: int = 96,
-                            moe_intermediate_size: int = 32) -> Path:
+                            moe_intermediate_size: int = 32, lm_head_scale: float = 1.0) -> Path:
     """A tiny random Kimi K3 text model (`KimiLinearForCausalLM`, kimi_k3_values) in one safetensors file.
 
     `sglang_text`: K3's text model as SGLang 0.5.23 loads one (models/kimi_k3.py): `KimiK3LinearForCausalLM`, its
@@ -384,7 +384,9 @@ def make_kimi_k3_checkpoint(directory: str | Path, *, layers: int = 4, vocab: in
     stage); without vLLM (the main suite, whose inspect and plan read names, shapes and dtypes only) the same
     values are written as JSON with its `model_type`. Float32 tensors (dt_bias, A_log, the router's bias) stay
     float32, as vLLM keeps them; the rest are `dtype`. Values: `kimi_k3_scale` (norms near 1, so that KDA's output
-    reaches the tokens).
+    reaches the tokens). `lm_head_scale` multiplies the LM head (a power of two keeps its bf16 values exact): ×4
+    peaks the tiny model's logits, so that a near-tie in bf16 does not decide a token
+    (tests/sglang_engines/test_sglang_kimi_k3_tokens.py).
     """
     from safetensors.torch import save_file
 
@@ -406,6 +408,8 @@ def make_kimi_k3_checkpoint(directory: str | Path, *, layers: int = 4, vocab: in
     tensors = {name: (kimi_k3_scale(name, torch.randn(shape, generator=generator))).to(
         torch.float32 if kind == torch.float32 else dtype)
         for name, (shape, kind) in kimi_k3_tensors(values, moe="mlp." if sglang_text else "block_sparse_moe.").items()}
+    if lm_head_scale != 1.0:
+        tensors["lm_head.weight"] = tensors["lm_head.weight"] * lm_head_scale
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer:
         save_tiny_tokenizer(directory, vocab)

@@ -15,9 +15,10 @@ directory on PYTHONPATH (SGLang loads them in every one of its processes): gloo_
 PyNccl), torch_native_fill.py (the torch-native backend's `get_cpu_graph_seq_len_fill_value`), torch_native_mla.py
 (MLA's absorbed path), and, each inactive unless its variables are set, fixed_cpu_memory.py (the KV pool's free
 memory), opened_files.py (which files each rank opens), fp8_kernels.py (block FP8's CPU path, its kernels in
-torch), kimi_k3_build.py (Kimi K3 built on the CPU) and k3_load_probe.py (K3 loaded every way inside the engine's
-processes); stand_ins/sgl_kernel.py is put on PYTHONPATH as the module `sgl_kernel`. shardprep's own plugin
-(`--load-format shardprep`) comes from its installed entry point, as for any user.
+torch), kimi_k3_build.py (Kimi K3 built on the CPU), k3_ops.py (K3's forward, its Triton ops in torch) and
+k3_load_probe.py (K3 loaded every way inside the engine's processes); stand_ins/sgl_kernel.py is put on PYTHONPATH
+as the module `sgl_kernel`. shardprep's own plugin (`--load-format shardprep`) comes from its installed entry
+point, as for any user.
 
 A scheduler that fails while the model loads sends SIGQUIT to the engine's process, whose default handler kills
 the whole process tree, this runner included; a run marked `"refusal": true` installs a handler that only notes
@@ -33,14 +34,17 @@ node 0, and each node's output follows the run's in the log.
 
 PLAN: {"env" (optional: variables for every engine), "runs": [{"name", "model", "engine" (sgl.Engine kwargs, on
 top of BASE) or "server" (launch_server arguments) and optionally "node_models", "prompts", "max_tokens" (one per
-prompt), "env" (optional: variables for this run's processes), "refusal" (optional)}]}.
-RESULTS: {name: {"tokens": [[ids] per prompt], "max_total_num_tokens": int} or {"error": "Type: message"}}.
+prompt), "env" (optional: variables for this run's processes), "refusal" (optional), "logprobs" (optional: also
+record each generated token's log-probability)}]}.
+RESULTS: {name: {"tokens": [[ids] per prompt], "max_total_num_tokens": int, "logprobs": [[float] per prompt] (with
+"logprobs")} or {"error": "Type: message"}}.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,6 +57,7 @@ import fixed_cpu_memory
 import fp8_kernels
 import gloo_groups
 import k3_load_probe
+import k3_ops
 import kimi_k3_build
 import opened_files
 import torch_native_fill
@@ -77,7 +82,8 @@ BASE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_grap
 PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "torch_native_fill:register",
            opened_files.NAME: "opened_files:register", torch_native_mla.NAME: "torch_native_mla:register",
            fixed_cpu_memory.NAME: "fixed_cpu_memory:register", kimi_k3_build.NAME: "kimi_k3_build:register",
-           k3_load_probe.NAME: "k3_load_probe:register", fp8_kernels.NAME: "fp8_kernels:register"}
+           k3_load_probe.NAME: "k3_load_probe:register", fp8_kernels.NAME: "fp8_kernels:register",
+           k3_ops.NAME: "k3_ops:register"}
 
 
 def plugin_environment(workdir: Path, plugins: dict[str, str], env: dict[str, str]) -> dict[str, str]:
@@ -110,6 +116,22 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
     return json.loads(results_path.read_text()), output
 
 
+def node_directories(out: Path, root: Path, nodes: int) -> list[str]:
+    """One directory per node holding only the rank file its DP rank serves (tp 2, dp 2 over two nodes: node k
+    runs DP rank k, rank file k); hard links keep the copies free."""
+    from shardprep.manifests import load_manifest
+
+    rank_files = load_manifest(out).rank_files
+    dirs = []
+    for node in range(nodes):
+        mine = shutil.copytree(out, root / f"node{node}", copy_function=os.link)
+        for rank, name in enumerate(rank_files):
+            if rank != node % len(rank_files):
+                os.unlink(mine / name)
+        dirs.append(str(mine))
+    return dirs
+
+
 def noted_sigquit(signum: int, frame: object) -> None:
     print("sglang_runs: a scheduler failed (SIGQUIT); the engine raises", flush=True)
 
@@ -127,18 +149,19 @@ def run_plan(plan: dict, workdir: Path) -> dict[str, dict]:
             # Ports of their own: an engine's ports stay taken a while after its shutdown (TIME_WAIT).
             port = 20000 + 500 * number + os.getpid() % 400
             if "server" in run:
-                results[run["name"]] = {"tokens": served_tokens(run, port, workdir)}
+                outputs = served_outputs(run, port, workdir)
+                results[run["name"]] = {"tokens": [o["output_ids"] for o in outputs], **logprobs(run, outputs)}
                 continue
             extra = {"custom_sigquit_handler": noted_sigquit} if run.get("refusal") else {}
             engine = sgl.Engine(model_path=run["model"], port=port, **{**BASE, **run["engine"]}, **extra)
             ready = time.monotonic()
             params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in run["max_tokens"]]
-            outputs = engine.generate(run["prompts"], params)
+            outputs = engine.generate(run["prompts"], params, return_logprob=bool(run.get("logprobs")))
             print(f"ENGINE-TIME {run['name']!r}: start {ready - started:.1f} s, "
                   f"generate {time.monotonic() - ready:.1f} s", flush=True)
             info = engine.get_server_info()
             results[run["name"]] = {"tokens": [o["output_ids"] for o in outputs],
-                                    "max_total_num_tokens": info.get("max_total_num_tokens")}
+                                    "max_total_num_tokens": info.get("max_total_num_tokens"), **logprobs(run, outputs)}
         except Exception as exc:  # recorded: the refusal cases expect one
             traceback.print_exc()
             results[run["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -153,9 +176,16 @@ def run_plan(plan: dict, workdir: Path) -> dict[str, dict]:
     return results
 
 
-def served_tokens(run: dict, port: int, workdir: Path, timeout: float = 900) -> list[list[int]]:
+def logprobs(run: dict, outputs: list[dict]) -> dict[str, list[list[float]]]:
+    """{"logprobs": each generated token's log-probability per prompt} where `run` asks for them, else {}."""
+    if not run.get("logprobs"):
+        return {}
+    return {"logprobs": [[entry[0] for entry in o["meta_info"]["output_token_logprobs"]] for o in outputs]}
+
+
+def served_outputs(run: dict, port: int, workdir: Path, timeout: float = 900) -> list[dict]:
     """Launch `sglang.launch_server` for `run` (one process per node), generate its prompts over HTTP from node 0,
-    stop it; the tokens per prompt."""
+    stop it; /generate's output per prompt."""
     flags = [arg for key, value in BASE.items() if value is not False
              for arg in ([f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)]))]
     models = run.get("node_models", [run["model"]])
@@ -187,14 +217,14 @@ def served_tokens(run: dict, port: int, workdir: Path, timeout: float = 900) -> 
         ready = time.monotonic()
         body = {"text": run["prompts"],
                 "sampling_params": [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
-                                    for n in run["max_tokens"]]}
+                                    for n in run["max_tokens"]], "return_logprob": bool(run.get("logprobs"))}
         request = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=timeout) as response:
             outputs = json.loads(response.read())
         print(f"ENGINE-TIME {run['name']!r}: start {ready - started:.1f} s, "
               f"generate {time.monotonic() - ready:.1f} s", flush=True)
-        return [o["output_ids"] for o in outputs]
+        return outputs
     finally:
         for server in reversed(servers):  # node 0 first: it stops the other nodes' schedulers
             stop_group(server, signal.SIGTERM)

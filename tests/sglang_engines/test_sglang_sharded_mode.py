@@ -27,15 +27,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.timeout(1800)
 
-from sglang_runs import run_engines  # noqa: E402
+from sglang_runs import node_directories, run_engines  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
@@ -72,20 +70,6 @@ def engines(checkpoint_cache, tmp_path_factory):
     # (tests/test_sharded_load.py): an engine to see it refused here cost half a minute of CI.
     results, log = run_engines(plan, root)
     return results, log, out
-
-
-def node_directories(out: Path, root: Path, nodes: int) -> list[str]:
-    """One directory per node holding only the rank file its DP rank serves (tp 2, dp 2 over two nodes: node k
-    runs DP rank k, rank file k); hard links keep the copies free."""
-    rank_files = load_manifest(out).rank_files
-    dirs = []
-    for node in range(nodes):
-        mine = shutil.copytree(out, root / f"node{node}", copy_function=os.link)
-        for rank, name in enumerate(rank_files):
-            if rank != node % len(rank_files):
-                os.unlink(mine / name)
-        dirs.append(str(mine))
-    return dirs
 
 
 def logged_by_the_sharded_engine(log: str) -> str:
