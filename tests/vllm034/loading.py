@@ -12,9 +12,9 @@ is built and loaded after its target, as vLLM's proposer does (`k3_loading.build
 
 `python tests/vllm034/loading.py PLAN.json RESULTS.json` inside the vLLM 0.34 venv (test_vllm034_loading.py starts
 it). PLAN: {"port", "models": [{"name", "source", "full", "sharded", "spec": speculative_config or null,
-"draft": {"source", "full", "sharded"} or null}]}. RESULTS, per model name: parameter counts, the names whose bytes
-differ (full mode; sharded mode's non-targets), the bound targets and whether each gathered target equals the
-reference, for the target and its draft.
+"draft": {"source", "full", "sharded"} or null, "own_load_weights": see `reference`}]}. RESULTS, per model name:
+parameter counts, the names whose bytes differ (full mode; sharded mode's resident parameters), the bound targets
+and whether each gathered target equals the reference, for the target and its draft; or the model's error.
 """
 
 from __future__ import annotations
@@ -50,15 +50,37 @@ def differs(ref: dict[str, bytes], got: dict[str, bytes], names: set[str] | None
 
 
 def model_bytes(model: torch.nn.Module) -> dict[str, bytes]:
-    return {name: as_bytes(p) for name, p in model.named_parameters()}
+    """Every parameter's bytes, by name; but a draft's parameters that vLLM replaces with the target's after loading
+    (DFlash's embed_tokens and lm_head, when its checkpoint has none: `VllmAdapter._shared_with_target`): no loader
+    fills them, so their bytes are whatever memory the constructor got."""
+    from shardprep.integrations.vllm.adapter import VllmAdapter
+
+    shared = set(VllmAdapter._shared_with_target(model))
+    return {name: as_bytes(p) for name, p in model.named_parameters() if name not in shared}
 
 
-def reference(source: str, spec: dict | None) -> tuple[dict[str, bytes], dict[str, bytes]]:
-    """vLLM's own loader on the source checkpoint: the target's bytes, and the draft's (empty without one)."""
+def reference(source: str, spec: dict | None, own_load_weights: bool) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    """vLLM's own loader on the source checkpoint: the target's bytes, and the draft's (empty without one).
+
+    `own_load_weights`: the target's own `load_weights` on vLLM's loader's tensors, without the loader's check that
+    every parameter was filled. Kimi K3 needs it on 0.34: its fused KDA projection carries pad rows as a seventh
+    output (`in_proj_padding`, kda.py), which no checkpoint tensor fills, so vLLM's loader refuses its own model
+    ("weights were not initialized from checkpoint: ...in_proj_qkvgfab.weight.6"); the constructor zeroes them.
+    """
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import DefaultModelLoader
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     config = engine_config(source, "safetensors", spec)
-    target = model_bytes(build(config, DefaultModelLoader(config.load_config), full_load=False))
+    loader = DefaultModelLoader(config.load_config)
+    if own_load_weights:
+        with set_current_vllm_config(config):
+            with set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
+                model = loader.create_model(config, config.model_config)
+            model.load_weights(loader.get_all_weights(config.model_config, model))
+        target = model_bytes(model)
+    else:
+        target = model_bytes(build(config, loader, full_load=False))
     draft = model_bytes(build_draft(config, full_load=False)[0]) if spec else {}
     return target, draft
 
@@ -86,34 +108,37 @@ def sharded_mode(case: dict, spec: dict | None, ref: dict[str, dict[str, bytes]]
     assert binding is not None
     names = {id(p): (role, name) for role, model in models.items() for name, p in model.named_parameters()}
     bound = {**binding.target_parameters, **binding.draft_parameters}
+    by_layer = {bound_layer.index: bound_layer.params for bound_layer in [*binding.layers, *binding.draft_layers]}
     gathered: dict[str, bool] = {}
     gatherer = binding.gatherer
     gatherer.begin()
     for layer in gatherer.layers:
-        gatherer.wait(layer)
-        for name, param in bound.items():
-            if f".{layer}." in name and name not in gathered:
-                role, model_name = names[id(param)]
-                gathered[name] = as_bytes(param) == ref[role][model_name]
+        gatherer.wait(layer)  # the layer's targets now view its gathered bytes, until done(layer)
+        for param, name in by_layer[layer]:
+            role, model_name = names[id(param)]
+            gathered[name] = as_bytes(param) == ref[role][model_name]
         gatherer.done(layer)
-    bound_ids = {id(p) for p in bound.values()}
-    resident = {role: differs(ref[role], model_bytes(model),
-                              {n for n, p in model.named_parameters() if id(p) not in bound_ids})
+    # Every reference parameter not bound is resident: compared as is. What vLLM's post-load processing adds
+    # (MLA's W_UK_T and W_UV, made from the resident kv_b_proj) the reference, loaded without it, has not.
+    bound_names = {names[id(p)] for p in bound.values()}
+    resident = {role: differs(ref[role], model_bytes(model), {n for n in ref[role] if (role, n) not in bound_names})
                 for role, model in models.items()}
+    added = {role: sorted(n for n in model_bytes(model) if n not in ref[role]) for role, model in models.items()}
     return {"bound": {name: list(names[id(p)]) for name, p in bound.items()}, "gathered_equal": gathered,
-            "gathered_layers": list(gatherer.layers), "resident_differs": resident}
+            "gathered_layers": list(gatherer.layers), "resident_differs": resident, "added_after_loading": added}
 
 
 def check(case: dict) -> dict[str, Any]:
     spec = case["spec"]
     if spec and case["draft"]:
         spec = {**spec, "model": case["draft"]["source"]}
-    ref_target, ref_draft = reference(case["source"], spec)
+    ref_target, ref_draft = reference(case["source"], spec, case.get("own_load_weights", False))
     full_spec = {**spec, "model": case["draft"]["full"]} if spec and case["draft"] else spec
     got_target, got_draft = full_mode(case, full_spec)
     sharded_spec = {**spec, "model": case["draft"]["sharded"]} if spec and case["draft"] else spec
     return {"parameters": len(ref_target), "draft_parameters": len(ref_draft),
-            "full_mode_differs": differs(ref_target, got_target), "draft_full_mode_differs": differs(ref_draft, got_draft),
+            "full_mode_differs": differs(ref_target, got_target),
+            "draft_full_mode_differs": differs(ref_draft, got_draft),
             "sharded": sharded_mode(case, sharded_spec, {"target": ref_target, "draft": ref_draft})}
 
 
