@@ -124,7 +124,11 @@ def sharded_mode(case: dict, spec: dict | None, ref: dict[str, dict[str, bytes]]
     resident = {role: differs(ref[role], model_bytes(model), {n for n in ref[role] if (role, n) not in bound_names})
                 for role, model in models.items()}
     added = {role: sorted(n for n in model_bytes(model) if n not in ref[role]) for role, model in models.items()}
+    # Kimi K3's fused KDA projections and their pad rows (vLLM 0.34 pads each to a multiple of 16 rows).
+    padded = {f"{name}.in_proj_qkvgfab.weight": module.in_proj_padding
+              for name, module in models["target"].named_modules() if getattr(module, "in_proj_padding", 0)}
     return {"bound": {name: list(names[id(p)]) for name, p in bound.items()}, "gathered_equal": gathered,
+            "padded_rows": padded,
             "gathered_layers": list(gatherer.layers), "resident_differs": resident, "added_after_loading": added}
 
 

