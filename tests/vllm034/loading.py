@@ -49,13 +49,14 @@ def differs(ref: dict[str, bytes], got: dict[str, bytes], names: set[str] | None
     return sorted(n for n in names if ref.get(n) != got.get(n))
 
 
-def model_bytes(model: torch.nn.Module) -> dict[str, bytes]:
-    """Every parameter's bytes, by name; but a draft's parameters that vLLM replaces with the target's after loading
-    (DFlash's embed_tokens and lm_head, when its checkpoint has none: `VllmAdapter._shared_with_target`): no loader
-    fills them, so their bytes are whatever memory the constructor got."""
+def model_bytes(model: torch.nn.Module, draft: bool = False) -> dict[str, bytes]:
+    """Every parameter's bytes, by name; but a `draft`'s parameters that vLLM replaces with the target's after
+    loading (DFlash's embed_tokens and lm_head, when its checkpoint has none: `VllmAdapter._shared_with_target`): no
+    loader fills them, so their bytes are whatever memory the constructor got. Drafts only: a target that supports
+    EAGLE (Qwen3-MoE) inherits `has_own_lm_head = False` too, and its embedding and head are loaded and compared."""
     from shardprep.integrations.vllm.adapter import VllmAdapter
 
-    shared = set(VllmAdapter._shared_with_target(model))
+    shared = set(VllmAdapter._shared_with_target(model)) if draft else set()
     return {name: as_bytes(p) for name, p in model.named_parameters() if name not in shared}
 
 
@@ -81,7 +82,7 @@ def reference(source: str, spec: dict | None, own_load_weights: bool) -> tuple[d
         target = model_bytes(model)
     else:
         target = model_bytes(build(config, loader, full_load=False))
-    draft = model_bytes(build_draft(config, full_load=False)[0]) if spec else {}
+    draft = model_bytes(build_draft(config, full_load=False)[0], draft=True) if spec else {}
     return target, draft
 
 
@@ -90,7 +91,7 @@ def full_mode(case: dict, spec: dict | None) -> tuple[dict[str, bytes], dict[str
 
     config = engine_config(case["full"], "shardprep", spec)
     target = model_bytes(build(config, ShardprepModelLoader(config.load_config), full_load=False))
-    draft = model_bytes(build_draft(config, full_load=False)[0]) if spec else {}
+    draft = model_bytes(build_draft(config, full_load=False)[0], draft=True) if spec else {}
     return target, draft
 
 
@@ -121,9 +122,10 @@ def sharded_mode(case: dict, spec: dict | None, ref: dict[str, dict[str, bytes]]
     # Every reference parameter not bound is resident: compared as is. What vLLM's post-load processing adds
     # (MLA's W_UK_T and W_UV, made from the resident kv_b_proj) the reference, loaded without it, has not.
     bound_names = {names[id(p)] for p in bound.values()}
-    resident = {role: differs(ref[role], model_bytes(model), {n for n in ref[role] if (role, n) not in bound_names})
-                for role, model in models.items()}
-    added = {role: sorted(n for n in model_bytes(model) if n not in ref[role]) for role, model in models.items()}
+    got = {role: model_bytes(model, draft=role == "draft") for role, model in models.items()}
+    resident = {role: differs(ref[role], got[role], {n for n in ref[role] if (role, n) not in bound_names})
+                for role in models}
+    added = {role: sorted(n for n in got[role] if n not in ref[role]) for role in models}
     # Kimi K3's fused KDA projections and their pad rows (vLLM 0.34 pads each to a multiple of 16 rows).
     padded = {f"{name}.in_proj_qkvgfab.weight": module.in_proj_padding
               for name, module in models["target"].named_modules() if getattr(module, "in_proj_padding", 0)}
