@@ -11,9 +11,6 @@ gates are taken from gate.py's source by name. State layouts differ: SGLang keep
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +19,7 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from fla_kda_reference import load_fla_kda  # noqa: E402
 from k3_ops import (  # noqa: E402
     causal_conv1d_fn,
     causal_conv1d_update,
@@ -35,26 +33,10 @@ H, K = 2, 32
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
-def fla_kda_file(name: str) -> Path:
-    spec = importlib.util.find_spec("fla")
-    assert spec is not None and spec.submodule_search_locations, "fla-core is not installed (.ci/sglang_venv.sh)"
-    return Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / name
-
-
 @pytest.fixture(scope="module")
 def fla():
-    """fla's naive KDA (naive.py, loaded from its file) and its two torch gates (from gate.py's source)."""
-    spec = importlib.util.spec_from_file_location("fla_kda_naive", fla_kda_file("naive.py"))
-    assert spec is not None and spec.loader is not None
-    naive = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(naive)
-    source = fla_kda_file("gate.py").read_text()
-    wanted = {"naive_kda_gate", "naive_kda_lowerbound_gate"}
-    functions = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name in wanted]
-    assert {f.name for f in functions} == wanted
-    gates: dict = {"torch": torch, "F": F}
-    exec(compile(ast.Module(body=functions, type_ignores=[]), "fla/ops/kda/gate.py", "exec"), gates)
-    return naive, gates
+    """fla's naive KDA and its two torch gates (tests/fla_kda_reference.py)."""
+    return load_fla_kda()
 
 
 def raw_inputs(tokens: int, seed: int) -> dict[str, torch.Tensor]:

@@ -12,16 +12,12 @@ State layouts differ: vLLM keeps a KDA state as [H, V, K], fla as [H, K, V].
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm")  # the vLLM stage's venv, which .ci/run gives fla-core
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from fla_kda_reference import load_fla_kda  # noqa: E402
 from k3_kernels import (  # noqa: E402
     chunk_kda_with_fused_gate,
     fused_recurrent_kda,
@@ -33,26 +29,10 @@ H, K = 2, 32
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
-def fla_kda_file(name: str) -> Path:
-    spec = importlib.util.find_spec("fla")
-    assert spec is not None and spec.submodule_search_locations, "fla-core is not installed (.ci/run installs it)"
-    return Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / name
-
-
 @pytest.fixture(scope="module")
 def fla():
-    """fla's naive KDA (naive.py, loaded from its file) and its two torch gates (from gate.py's source)."""
-    spec = importlib.util.spec_from_file_location("fla_kda_naive", fla_kda_file("naive.py"))
-    assert spec is not None and spec.loader is not None
-    naive = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(naive)
-    source = fla_kda_file("gate.py").read_text()
-    wanted = {"naive_kda_gate", "naive_kda_lowerbound_gate"}
-    functions = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name in wanted]
-    assert {f.name for f in functions} == wanted
-    gates: dict = {"torch": torch, "F": F}
-    exec(compile(ast.Module(body=functions, type_ignores=[]), "fla/ops/kda/gate.py", "exec"), gates)
-    return naive, gates
+    """fla's naive KDA and its two torch gates (tests/fla_kda_reference.py)."""
+    return load_fla_kda()
 
 
 def raw_inputs(tokens: int, seed: int) -> dict[str, torch.Tensor]:
