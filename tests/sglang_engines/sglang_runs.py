@@ -132,6 +132,21 @@ def node_directories(out: Path, root: Path, nodes: int) -> list[str]:
     return dirs
 
 
+def check_nodes_served_their_rank_files(out: Path, log: str, nodes: int) -> None:
+    """After a run over `node_directories(out, out.parent, nodes)`: node k's directory holds only rank file k, and
+    node k's output (in `log`) says its one DP rank served that directory, from its own rank file."""
+    import re
+
+    from shardprep.manifests import load_manifest
+
+    rank_files = load_manifest(out).rank_files
+    for node in range(nodes):
+        here = out.parent / f"node{node}"
+        assert [name for name in rank_files if (here / name).exists()] == [rank_files[node]]
+        output = log.split(f"sglang_runs: node {node}'s output")[1].split("sglang_runs: node")[0]
+        assert re.search(rf"shardprep: DP rank {node} of 2 serves {here} sharded: .*rank file {node} of 2", output)
+
+
 def noted_sigquit(signum: int, frame: object) -> None:
     print("sglang_runs: a scheduler failed (SIGQUIT); the engine raises", flush=True)
 

@@ -27,7 +27,6 @@ is not installed.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 
 import pytest
@@ -39,9 +38,8 @@ from checkpoints import make_kimi_k3_checkpoint  # noqa: E402
 from k3_ops import ENV as K3_OPS  # noqa: E402
 from k3_ops import LINE  # noqa: E402
 from kimi_k3_build import ENV as BUILD  # noqa: E402
-from sglang_runs import node_directories, run_engines  # noqa: E402
+from sglang_runs import check_nodes_served_their_rank_files, node_directories, run_engines  # noqa: E402
 
-from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
 from shardprep.prep.selection import load_preset  # noqa: E402
 
@@ -142,9 +140,4 @@ def test_two_sharded_nodes_each_holding_only_its_rank_file_give_full_modes_token
     results, log, out = engines
     sharded, full = generated(results, "sharded two nodes"), generated(results, "full dp2")
     assert sharded["tokens"] == full["tokens"] and sharded["logprobs"] == full["logprobs"]
-    rank_files = load_manifest(out).rank_files
-    for node in range(2):
-        here = out.parent / f"node{node}"
-        assert [name for name in rank_files if (here / name).exists()] == [rank_files[node]]
-        output = log.split(f"sglang_runs: node {node}'s output")[1].split("sglang_runs: node")[0]
-        assert re.search(rf"shardprep: DP rank {node} of 2 serves {here} sharded: .*rank file {node} of 2", output)
+    check_nodes_served_their_rank_files(out, log, 2)

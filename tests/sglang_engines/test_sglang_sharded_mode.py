@@ -33,7 +33,7 @@ import pytest
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.timeout(1800)
 
-from sglang_runs import node_directories, run_engines  # noqa: E402
+from sglang_runs import check_nodes_served_their_rank_files, node_directories, run_engines  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
@@ -128,13 +128,7 @@ def test_two_launched_nodes_each_holding_only_its_rank_file_give_the_one_node_en
     results, log, out = engines
     assert "tokens" in results["two nodes"], results["two nodes"]
     assert results["two nodes"]["tokens"] == results["sharded"]["tokens"]
-    rank_files = load_manifest(out).rank_files
-    for node in range(2):
-        here = out.parent / f"node{node}"
-        assert [name for name in rank_files if (here / name).exists()] == [rank_files[node]]
-        output = log.split(f"sglang_runs: node {node}'s output")[1].split("sglang_runs: node")[0]
-        # The node's one DP rank served its own directory, from its own rank file.
-        assert re.search(rf"shardprep: DP rank {node} of 2 serves {here} sharded: .*rank file {node} of 2", output)
+    check_nodes_served_their_rank_files(out, log, 2)
 
 
 def test_in_sharded_mode_each_dp_rank_opens_only_its_own_rank_file(engines):
