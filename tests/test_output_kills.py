@@ -217,8 +217,10 @@ def test_sigkill_of_the_cli_at_random_moments_leaves_old_or_new(llama, tmp_path)
 
 
 def wait_for(path, proc, timeout=120):
+    """The path a driver wrote to `path` once paused. `write_text` creates the file before it writes, so a file seen
+    empty is still being written (read as `Path("")`, it failed CI once: `is_staging_dir(PosixPath('.'))`)."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not (path.exists() and path.read_text()):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the driver never reached the pause"
         time.sleep(0.02)
