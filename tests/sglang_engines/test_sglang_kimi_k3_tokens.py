@@ -7,10 +7,9 @@ lacks, each checked in test_k3_ops.py) and kimi_k3_build.py (K3 built on the CPU
 as SGLang loads one (`KimiK3LinearForCausalLM`, tests/checkpoints.py), with peaked logits: norms 1 + 0.02·N, the
 KDA short convolutions 0.5·N, the LM head ×4 and `enable_fp32_lm_head`, without which the tiny model's bf16 logits
 tie and a token would not depend on every weight. That it does is shown here: the same model with one KDA layer's
-o_proj doubled gives another first token (on the second prompt, SGLang 0.5.23 on this CPU).
+o_proj doubled gives another first token than full mode at tp 1 (on the second prompt, SGLang 0.5.23 on this CPU).
 
 The comparisons:
-- tp 1: full mode (the converted directory) = SGLang's own loader (the source);
 - tp 2, dp 2 under DP attention (attention TP 1; one shard group of two DP ranks), an uneven load (three requests
   of 8, 2 and 6 tokens: one rank finishes first and keeps stepping on SGLang's idle batches while the other
   decodes): full mode = SGLang's own loader; and sharded mode over two `launch_server` nodes on this host, each
@@ -94,8 +93,9 @@ def engines(tmp_path_factory):
     server = [arg for key, value in {**SHARDED, **PEAKED}.items()
               for arg in [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])]
     plan = {"env": {BUILD: "1", K3_OPS: "1"},
-            "runs": [run("loader tp1", src), run("full tp1", out, load_format="shardprep"),
-                     run("doubled tp1", doubled),
+            # Full mode = SGLang's loader is checked under DP attention (attention TP 1, as at tp 1) only: a tp-1
+            # pair of the same comparison cost 75 s of CI and showed nothing more.
+            "runs": [run("full tp1", out, load_format="shardprep"), run("doubled tp1", doubled),
                      run("loader dp2", src, **DP_ATTENTION),
                      run("full dp2", out, load_format="shardprep", **DP_ATTENTION),
                      {"name": "sharded two nodes", "model": str(out), "server": server, "prompts": PROMPTS,
@@ -118,16 +118,10 @@ def test_k3_generates_through_the_torch_references_in_every_engine(engines):
         generated(results, name)
 
 
-def test_full_mode_gives_sglangs_own_loaders_tokens_and_logprobs_bit_for_bit_at_tp1(engines):
-    results = engines[0]
-    full, loader = generated(results, "full tp1"), generated(results, "loader tp1")
-    assert full["tokens"] == loader["tokens"] and full["logprobs"] == loader["logprobs"]
-
-
 def test_doubling_one_kda_layers_o_proj_changes_the_first_token(engines):
     results = engines[0]
-    loader, doubled = generated(results, "loader tp1"), generated(results, "doubled tp1")
-    assert [t[0] for t in doubled["tokens"]] != [t[0] for t in loader["tokens"]]
+    full, doubled = generated(results, "full tp1"), generated(results, "doubled tp1")
+    assert [t[0] for t in doubled["tokens"]] != [t[0] for t in full["tokens"]]
 
 
 def test_full_mode_gives_sglangs_own_loaders_tokens_and_logprobs_under_dp_attention_with_uneven_load(engines):

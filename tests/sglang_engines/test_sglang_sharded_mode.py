@@ -10,21 +10,18 @@ and runs SGLang's IDLE batches while the other decodes. Its gathers must pair wi
 collectives over the shard group): a rank that stopped gathering would hang the other, and the test would time
 out instead of comparing tokens.
 
-The same sharded deployment is also launched as a user launches it on two nodes, the design note's shape scaled to
-this machine: two `python -m sglang.launch_server ... --load-format shardprep --tp-size 2 --dp-size 2
---enable-dp-attention --model-loader-extra-config '{"shard_weights": true}' --nnodes 2 --node-rank 0|1
---dist-init-addr 127.0.0.1:PORT` on this host, one DP rank each, each node's model path a directory holding only
-its rank's file (SGLang gives every rank of a node that node's path), asked over HTTP (node 0). Within one engine,
-SGLang gives all ranks one model path, so the ranks share a directory holding both rank files; a test plugin
-(opened_files.py) records the files each rank opens, to check that a rank in sharded mode opens only its own rank
-file (full mode opens both, which shows the record is taken).
+Within one engine, SGLang gives all ranks one model path, so the ranks share a directory holding both rank files; a
+test plugin (opened_files.py) records the files each rank opens, to check that a rank in sharded mode opens only its
+own rank file (full mode opens both, which shows the record is taken). The deployment launched as a user launches it
+on two nodes (`python -m sglang.launch_server ... --nnodes 2 --node-rank 0|1`, each node's directory holding only its
+rank file, asked over HTTP) is checked once, on Kimi K3 (test_sglang_kimi_k3_tokens.py): a launch costs two minutes
+of CI, and this module's launch of the same flags on Qwen3-MoE showed nothing K3's does not.
 
 Every engine of this module runs in one process (sglang_runs.py). Skipped where SGLang is not installed.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -33,7 +30,7 @@ import pytest
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.timeout(1800)
 
-from sglang_runs import check_nodes_served_their_rank_files, node_directories, run_engines  # noqa: E402
+from sglang_runs import run_engines  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
@@ -59,13 +56,8 @@ def engines(checkpoint_cache, tmp_path_factory):
         return {**run, "env": {"SHARDPREP_TEST_OPENED_LOG": str(root / f"opened-{name}.log"),
                                "SHARDPREP_TEST_OPENED_UNDER": str(out) + os.sep}}
 
-    # sglang_runs adds each node's --model-path, --nnodes, --node-rank and --dist-init-addr (docs/serving/sglang.md).
-    server = ["--load-format", "shardprep", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
-              "--model-loader-extra-config", json.dumps({"shard_weights": True})]
     plan = {"runs": [recording_opens("full", run("full", out, load_format="shardprep")),
-                     recording_opens("sharded", run("sharded", out, load_format="shardprep", **SHARDED)),
-                     {"name": "two nodes", "model": str(out), "server": server, "prompts": PROMPTS,
-                      "max_tokens": TOKENS, "node_models": node_directories(out, root, 2)}]}
+                     recording_opens("sharded", run("sharded", out, load_format="shardprep", **SHARDED))]}
     # Attention TP above 1 is refused in SGLang's option names by check_layout, tested without an engine
     # (tests/test_sharded_load.py): an engine to see it refused here cost half a minute of CI.
     results, log = run_engines(plan, root)
@@ -73,7 +65,7 @@ def engines(checkpoint_cache, tmp_path_factory):
 
 
 def logged_by_the_sharded_engine(log: str) -> str:
-    """What the sharded engine's ranks logged (the launched server logs its own lines later)."""
+    """What the sharded engine's ranks logged."""
     return log.split("ENGINE-TIME 'full'")[1].split("ENGINE-TIME 'sharded'")[0]
 
 
@@ -122,13 +114,6 @@ def test_sharding_is_finished_before_sglang_sizes_each_ranks_kv_pool(engines):
         line = sharded.index(f"shardprep: DP rank {rank} of 2 serves")
         kv = re.search(rf"DP{rank} TP{rank}\] KV Cache is allocated", sharded)
         assert kv is not None and line < kv.start()
-
-
-def test_two_launched_nodes_each_holding_only_its_rank_file_give_the_one_node_engines_tokens_over_http(engines):
-    results, log, out = engines
-    assert "tokens" in results["two nodes"], results["two nodes"]
-    assert results["two nodes"]["tokens"] == results["sharded"]["tokens"]
-    check_nodes_served_their_rank_files(out, log, 2)
 
 
 def test_in_sharded_mode_each_dp_rank_opens_only_its_own_rank_file(engines):
