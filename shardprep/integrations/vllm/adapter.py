@@ -248,7 +248,7 @@ class VllmAdapter(ServerAdapter):
         """
         from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 
-        names = set(self._shared_with_target(model))
+        names = set(self._shared_with_target(model) if self.loads_draft() else ())
         for name, module in model.named_modules():
             method = getattr(module, "quant_method", None)
             exempt = isinstance(method, BaseKVCacheMethod) or getattr(method, "uses_meta_device", False)
@@ -261,7 +261,9 @@ class VllmAdapter(ServerAdapter):
     def _shared_with_target(model: nn.Module) -> list[str]:
         """A draft model's parameters vLLM replaces with the target's after loading, where its checkpoint has none
         (`_maybe_share_embeddings` / `_maybe_share_lm_head`, flags set by `process_eagle_weight`), and DFlash's
-        mask embedding when no separate one is shipped (its constructor's zeros are used)."""
+        mask embedding when no separate one is shipped (its constructor's zeros are used). Asked of drafts only:
+        vLLM's EAGLE-3 interface gives every target that can serve such a draft `has_own_embed_tokens = False` as a
+        class default (Qwen3-MoE, Llama), which on a target says nothing of its checkpoint."""
         names = []
         if getattr(model, "has_own_embed_tokens", True) is False:
             names += [n for n, _ in model.named_parameters() if n.split(".")[-2:] == ["embed_tokens", "weight"]]

@@ -76,11 +76,13 @@ class ShardprepModelLoader(BaseModelLoader):
             if not layout.eager:
                 cpu_workarounds.trace_moe_as_one_op(model)
         if not self.options.shard_weights:
-            if VllmAdapter(model_config=model_config).loads_draft():
+            # The model's own config tells a draft from a target, which decides what its checkpoint may lack.
+            adapter = VllmAdapter(model_config=model_config)
+            if adapter.loads_draft():
                 # vLLM's current config is read for a draft only, as the target's full load needs none.
                 draft = VllmAdapter(get_current_vllm_config(), model_config)
                 draft.refuse_published_draft(model_config.model, sharded=False)
-            load_full(model, model_config.model, self.options.verify, self.adapter)
+            load_full(model, model_config.model, self.options.verify, adapter)
         elif self.draft is not None:
             self.draft.load(model)
         else:
