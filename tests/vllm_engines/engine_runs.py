@@ -217,6 +217,7 @@ def serve() -> None:
     from vllm import LLM, SamplingParams  # noqa: F401  (the import every plan process inherits)
     from vllm.distributed import cleanup_dist_env_and_memory  # noqa: F401
 
+    warm_model_infos()
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush()
@@ -236,6 +237,38 @@ def serve() -> None:
                 os.waitpid(pid, 0)
                 return
         print(os.waitstatus_to_exitcode(status), flush=True)
+
+
+MODEL_CLASSES = frozenset({
+    "LlamaForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "DeepSeekMTP", "Eagle3LlamaForCausalLM",
+    "DFlashQwen3ForCausalLM", "KimiLinearForCausalLM", "KimiK3ForConditionalGeneration", "KimiK3MTP"})
+"""The vLLM model classes the stage's plans build (a class left out costs its first engine one vLLM import)."""
+
+
+def warm_model_infos() -> None:
+    """Fill vLLM's model-info cache (`$VLLM_CACHE_ROOT/modelinfos`) for MODEL_CLASSES, in a process forked from the
+    server. On a miss vLLM inspects a model class in a subprocess that imports vLLM afresh (20-60 s on CI's two
+    cores: a fresh machine's first engine of each new architecture took 25-62 s to start, 3-5 s once cached). The
+    forked child has vLLM imported already and runs that inspection itself (`inspect_model_cls`, vLLM's code, which
+    saves what it finds as on a miss); it imports the model modules in the child only, and runs no tensor op. A
+    failure here costs time only: the plans then fill the cache as before."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            from vllm.model_executor.models import registry
+
+            registry._run_in_subprocess = lambda inspect: inspect()  # this process is the one vLLM would start
+            for model in registry.ModelRegistry.models.values():
+                if getattr(model, "class_name", None) in MODEL_CLASSES:
+                    model.inspect_model_cls()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.waitpid(pid, 0)
 
 
 def _plan_process(request: dict) -> None:
