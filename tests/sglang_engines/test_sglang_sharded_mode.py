@@ -1,7 +1,7 @@
 """SGLang's `--load-format shardprep`, sharded mode, under DP attention on SGLang 0.5.23 on the CPU (tiny Qwen3-MoE,
 `tp_size=2, dp_size=2, enable_dp_attention=True`: attention TP 1, two DP ranks, one shard group of two): the
-tokens of full mode, bit for bit, with one rank idle throughout; each rank logs its startup line, before SGLang sizes its
-KV pool, and builds its targets' weights without storage. (That full mode under DP attention gives SGLang's own
+tokens of full mode, bit for bit, with one rank idle throughout; each rank logs its startup line, before SGLang sizes
+its KV pool, and builds its targets' weights without storage. (That full mode under DP attention gives SGLang's own
 loader's tokens from the source is checked on DeepSeek-V3 in block FP8, test_sglang_fp8.py, not again here: an
 engine costs a minute of CI.)
 

