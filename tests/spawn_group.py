@@ -1,7 +1,11 @@
 """Run a function on N fresh processes that form one torch.distributed group, and collect what each returns.
 
-Process start is the cost of a distributed test (each child imports torch), so a test module starts
-one group and runs all its scenarios in it (see test_gatherer.py).
+Process start is the cost of a distributed test, so a test module starts one group and runs all its scenarios in
+it (see test_gatherer.py), and the children are forked from multiprocessing's fork server, which imported torch,
+torch.distributed, transformers and pytest once for the pytest worker (PRELOAD), instead of each child starting Python
+and importing them (2-4 s of CPU a child). The server runs no tensor op, so no OpenMP thread pool is forked (a fork
+after an OpenMP parallel region hangs the child), and each child takes the caller's environment whole, as a spawned
+child would.
 
 A rank that dies (a signal, `os._exit`, a crash inside CUDA or NCCL) puts no result on the queue, and its
 peers may then wait in a collective for ever: the parent watches every process while it waits, and fails
@@ -26,6 +30,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+PRELOAD = ["torch", "torch.distributed", "transformers", "pytest"]
+"""Imported once by the fork server (one missing is skipped); the test module that defines a rank's function is
+imported by each child, as with spawn."""
 POLL_S = 0.5  # how often the parent looks at the processes while it waits for results
 GRACE_S = 5.0  # after one rank failed, how long its peers may still report before they are killed
 TAIL_LINES = 20
@@ -79,12 +86,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     crash) makes it raise within seconds naming the rank, its signal or exit code and its stderr's end; a rank
     that does not finish within `timeout` seconds is killed and reported. Peers of a failed rank are killed.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first group of this process
+    env = {**os.environ, **(env or {})}  # the server's environment is the one it started with
     results_queue = ctx.Queue()
     port = free_port()
     logdir = Path(tempfile.mkdtemp(prefix="spawn-group-"))
     logs = [logdir / f"rank{rank}.stderr" for rank in range(world_size)]
-    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, port, backend, env or {}, args, results_queue,
+    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, port, backend, env, args, results_queue,
                                               str(logs[rank])))
              for rank in range(world_size)]
     for p in procs:
@@ -160,6 +169,7 @@ def _child(fn, rank, world_size, port, backend, env, args, results_queue, log) -
     import faulthandler
 
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     import torch
