@@ -19,7 +19,7 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from fla_kda_reference import load_fla_kda  # noqa: E402
+from fla_kda_reference import TOL, H, K, fla_kda, load_fla_kda, raw_inputs  # noqa: E402
 from k3_ops import (  # noqa: E402
     causal_conv1d_fn,
     causal_conv1d_update,
@@ -29,42 +29,11 @@ from k3_ops import (  # noqa: E402
     rms_norm_gated_forward,
 )
 
-H, K = 2, 32
-TOL = {"rtol": 1e-4, "atol": 1e-5}
-
 
 @pytest.fixture(scope="module")
 def fla():
     """fla's naive KDA and its two torch gates (tests/fla_kda_reference.py)."""
     return load_fla_kda()
-
-
-def raw_inputs(tokens: int, seed: int) -> dict[str, torch.Tensor]:
-    """What SGLang's KDA backend hands the KDA ops, in float32: post-conv q, k, v [1, T, H, K], the raw gate, the
-    raw beta logits [1, T, H], A_log [H] and dt_bias [H·K]."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen)
-    return {"q": rand(1, tokens, H, K), "k": rand(1, tokens, H, K), "v": rand(1, tokens, H, K),
-            "raw_g": rand(1, tokens, H, K) * 2, "raw_beta": rand(1, tokens, H), "A_log": rand(H) * 0.5,
-            "dt_bias": rand(H * K) * 0.5}
-
-
-def fla_kda(naive, gates: dict, x: dict, span: slice, state: torch.Tensor | None, lower_bound: float | None,
-            chunk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's naive KDA over tokens `span` of `x` from `state` ([H, V, K], SGLang's layout): (output [T, H, V], final
-    state [H, V, K])."""
-    q, k = (x[n][:, span] / torch.sqrt((x[n][:, span] ** 2).sum(-1, keepdim=True) + 1e-6) for n in ("q", "k"))
-    if lower_bound is None:
-        g = gates["naive_kda_gate"](x["raw_g"], x["A_log"], x["dt_bias"])
-    else:
-        g = gates["naive_kda_lowerbound_gate"](x["raw_g"], x["A_log"], x["dt_bias"], lower_bound)
-    beta = torch.sigmoid(x["raw_beta"][:, span])
-    initial = None if state is None else state.transpose(-1, -2)[None].clone()
-    kda = naive.naive_chunk_kda if chunk else naive.naive_recurrent_kda
-    out, final = kda(q, k, x["v"][:, span], g[:, span], beta, initial_state=initial, output_final_state=True)
-    return out[0], final[0].transpose(-1, -2)
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")  # the vLLM stage's venv, which .ci/run gives fla-core
 
 import torch  # noqa: E402
-from fla_kda_reference import load_fla_kda  # noqa: E402
+from fla_kda_reference import TOL, H, K, fla_kda, load_fla_kda, raw_inputs  # noqa: E402
 from k3_kernels import (  # noqa: E402
     chunk_kda_with_fused_gate,
     fused_recurrent_kda,
@@ -25,45 +25,11 @@ from k3_kernels import (  # noqa: E402
     gather_initial_states,
 )
 
-H, K = 2, 32
-TOL = {"rtol": 1e-4, "atol": 1e-5}
-
 
 @pytest.fixture(scope="module")
 def fla():
     """fla's naive KDA and its two torch gates (tests/fla_kda_reference.py)."""
     return load_fla_kda()
-
-
-def raw_inputs(tokens: int, seed: int) -> dict[str, torch.Tensor]:
-    """What KimiK3DeltaAttention hands the KDA ops, in float32: post-conv q, k, v [1, T, H, K], the raw gate
-    projection, the raw beta logits, A_log [H] and dt_bias [H·K]."""
-    gen = torch.Generator().manual_seed(seed)
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen)
-    return {"q": rand(1, tokens, H, K), "k": rand(1, tokens, H, K), "v": rand(1, tokens, H, K),
-            "raw_g": rand(1, tokens, H, K) * 2, "raw_beta": rand(1, tokens, H), "A_log": rand(H) * 0.5,
-            "dt_bias": rand(H * K) * 0.5}
-
-
-def fla_gate(gates: dict, x: dict, lower_bound: float | None) -> torch.Tensor:
-    if lower_bound is None:
-        return gates["naive_kda_gate"](x["raw_g"], x["A_log"], x["dt_bias"])
-    return gates["naive_kda_lowerbound_gate"](x["raw_g"], x["A_log"], x["dt_bias"], lower_bound)
-
-
-def fla_kda(naive, gates: dict, x: dict, span: slice, state: torch.Tensor | None, lower_bound: float | None,
-            chunk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's naive KDA over tokens `span` of `x` from `state` ([H, V, K], vLLM's layout): (output [T, H, V], final
-    state [H, V, K])."""
-    # fla's naive KDA takes q and k normalized; vLLM's kernels normalize them as x / sqrt(sum(x²) + 1e-6).
-    q, k = (x[n][:, span] / torch.sqrt((x[n][:, span] ** 2).sum(-1, keepdim=True) + 1e-6) for n in ("q", "k"))
-    g = fla_gate(gates, x, lower_bound)[:, span]
-    beta = torch.sigmoid(x["raw_beta"][:, span])
-    initial = None if state is None else state.transpose(-1, -2)[None].clone()
-    kda = naive.naive_chunk_kda if chunk else naive.naive_recurrent_kda
-    out, final = kda(q, k, x["v"][:, span], g, beta, initial_state=initial, output_final_state=True)
-    return out[0], final[0].transpose(-1, -2)
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
