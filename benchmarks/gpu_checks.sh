@@ -146,7 +146,7 @@ fp8-profile)
   python3 - "$W" <<'PY' >"$OUT/fp8_profile.log" 2>&1
 import sys, torch, transformers as tf
 sys.path.insert(0, "tests")
-from fp8_fixture import quantize_checkpoint_fp8
+from support.fp8_fixture import quantize_checkpoint_fp8
 w = sys.argv[1]
 cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)

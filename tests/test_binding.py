@@ -8,8 +8,8 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
-from checkpoints import read_state_dict
-from spawn_group import free_port
+from support.checkpoints import read_state_dict
+from support.spawn_group import free_port
 from torch import nn
 
 from shardprep.errors import RuntimeShardError

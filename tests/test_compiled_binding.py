@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import read_state_dict
-from spawn_group import run_ranks
+from support.checkpoints import read_state_dict
+from support.spawn_group import run_ranks
 from torch import nn
 
 pytestmark = pytest.mark.timeout(900)

@@ -5,9 +5,9 @@ import os
 
 import pytest
 import torch
-from checkpoints import read_state_dict
-from reconstruct import rebuild_layers
 from safetensors import safe_open
+from support.checkpoints import read_state_dict
+from support.reconstruct import rebuild_layers
 
 from shardprep.errors import OutputError
 from shardprep.manifests.replicated import NOTICE_FILE, SHARDED_SENTINEL

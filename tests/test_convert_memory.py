@@ -12,7 +12,7 @@ MB = 1 << 20
 MAKE = """
 import sys, torch
 sys.path.insert(0, {tests!r})
-from checkpoints import make_checkpoint
+from support.checkpoints import make_checkpoint
 make_checkpoint({path!r}, "llama", layers=14, hidden=1024, vocab=24000, sharded=True, tokenizer=False)
 """
 

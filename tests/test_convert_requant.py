@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import read_state_dict
-from fp8_fixture import quantize_checkpoint_fp8
-from reconstruct import rebuild_layers
+from support.checkpoints import read_state_dict
+from support.fp8_fixture import quantize_checkpoint_fp8
+from support.reconstruct import rebuild_layers
 from test_requant import reference_requant
 
 from shardprep.errors import RequantError
@@ -183,8 +183,8 @@ def test_negative_block_scale_is_refused_naming_the_tensor(fp8_source, tmp_path)
 MEASURE = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from checkpoints import make_checkpoint
-from fp8_fixture import quantize_checkpoint_fp8
+from support.checkpoints import make_checkpoint
+from support.fp8_fixture import quantize_checkpoint_fp8
 make_checkpoint({bf16!r}, "deepseek-v3", layers=6, hidden=1536, vocab=24000, sharded=True, tokenizer=False)
 quantize_checkpoint_fp8({bf16!r}, {fp8!r})
 import shutil; shutil.rmtree({bf16!r})

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from spawn_group import run_ranks
+from support.spawn_group import run_ranks
 from test_gatherer import _error, _mismatches, local_only_dir
 
 from shardprep.prep.convert import convert
@@ -45,7 +45,7 @@ def _suite(rank: int, n: int, cases: dict) -> dict:
 
 def _case(rank, n, src_dir, marked, dirs) -> dict:
     import torch.distributed as dist
-    from checkpoints import read_state_dict
+    from support.checkpoints import read_state_dict
 
     from shardprep.loader.rank_shards import RankShards, open_rank
     from shardprep.manifests.draft_layers import MTP, DraftLayers
@@ -202,7 +202,7 @@ def test_without_the_skipped_steps_gather_the_ranks_slip_and_the_tags_say_so(run
 def test_a_bound_mtp_draft_prefetched_or_inline_reads_the_sources_weights_in_every_pass(checkpoint_cache, tmp_path,
                                                                                           world_of_one):
     import transformers
-    from checkpoints import read_state_dict
+    from support.checkpoints import read_state_dict
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     from shardprep.errors import RuntimeShardError

@@ -1,4 +1,4 @@
-"""Draft models from their own checkpoints, as published (tests/checkpoints.py: make_dflash_checkpoint,
+"""Draft models from their own checkpoints, as published (tests/support/checkpoints.py: make_dflash_checkpoint,
 make_eagle3_checkpoint), paired to the tiny `qwen3-moe` target (hidden 64, vocabulary 128, 3 layers):
 
 - convert recognises them from config.json (their presets, every layer), takes EAGLE-3's unnumbered `midlayer` as
@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from checkpoints import read_state_dict
+from support.checkpoints import read_state_dict
 from typer.testing import CliRunner
 
 from shardprep.cli import app
@@ -347,7 +347,7 @@ def test_manifests_without_a_draft_and_with_an_mtp_draft_keep_their_bytes(outs, 
 
 
 def test_a_quantized_draft_model_is_refused_naming_the_module_and_the_way_on():
-    from fake_server import FakeServer
+    from support.fake_server import FakeServer
 
     from shardprep.integrations.drafts import refuse_quantized_draft_model
 

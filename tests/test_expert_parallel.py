@@ -1,6 +1,6 @@
 """`plan` and `inspect` per GPU under DP attention with expert parallelism, on a DeepSeek-V3 at its published size.
 
-The checkpoint is written by tests/sparse_checkpoints.py: real headers over holes, so nothing here reads or
+The checkpoint is written by tests/support/sparse_checkpoints.py: real headers over holes, so nothing here reads or
 writes its data. Every expected figure is computed here from the config and the documented formulas, not
 taken from the tool.
 """
@@ -12,7 +12,7 @@ import math
 import shutil
 
 import pytest
-from sparse_checkpoints import DEEPSEEK_V3_CONFIG, deepseek_v3_tensors, nbytes, write_sparse_checkpoint
+from support.sparse_checkpoints import DEEPSEEK_V3_CONFIG, deepseek_v3_tensors, nbytes, write_sparse_checkpoint
 from typer.testing import CliRunner
 
 from shardprep.cli import app

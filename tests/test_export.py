@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import read_state_dict
-from fp8_fixture import quantize_checkpoint_fp8
-from reconstruct import rebuild_layers
+from support.checkpoints import read_state_dict
+from support.fp8_fixture import quantize_checkpoint_fp8
+from support.reconstruct import rebuild_layers
 from test_output_kills import wait_for
 from test_reshard import KINDS, corrupt, one_line_error, tree
 from typer.testing import CliRunner

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from spawn_group import run_ranks
+from support.spawn_group import run_ranks
 
 
 def _suite(rank: int, n: int, root: str) -> dict:

@@ -93,7 +93,7 @@ def test_loaders_that_glob_safetensors_meet_the_notice_tensor(out3):
 
 
 def test_shardprep_readers_skip_the_sentinel_and_the_notice(out3, checkpoint_cache):
-    from checkpoints import read_state_dict
+    from support.checkpoints import read_state_dict
 
     rest = open_rank(out3, 0).load_replicated()
     source = read_state_dict(checkpoint_cache("llama", layers=4))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import read_state_dict
-from damage import flip_byte
+from support.checkpoints import read_state_dict
+from support.damage import flip_byte
 
 from shardprep.errors import IntegrityError
 from shardprep.loader.full_targets import iter_full_targets

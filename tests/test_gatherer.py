@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_group import run_ranks
+from support.spawn_group import run_ranks
 
 from shardprep.errors import RuntimeShardError
 
@@ -57,7 +57,7 @@ def runs(checkpoint_cache, conversion_cache, tmp_path_factory):
 # -- what every rank runs ---------------------------------------------------------------------------
 def _suite(rank: int, n: int, dirs: list[str], src_dir: str, other_out: str) -> dict:
     import torch.distributed as dist
-    from checkpoints import read_state_dict
+    from support.checkpoints import read_state_dict
 
     from shardprep.loader import open_rank
     from shardprep.runtime import LayerGatherer
@@ -287,7 +287,7 @@ def test_views_are_zero_copy_into_two_slots_of_max_layer_bytes(runs, n):
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_replicated_tensors_load_from_a_directory_with_only_the_local_rank_file(runs, n):
     src, out, results = runs[n]
-    from checkpoints import read_state_dict
+    from support.checkpoints import read_state_dict
 
     from shardprep.manifests import load_manifest
 

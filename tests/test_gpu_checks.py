@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import make_checkpoint
-from fp8_fixture import quantize_checkpoint_fp8
+from support.checkpoints import make_checkpoint
+from support.fp8_fixture import quantize_checkpoint_fp8
 from test_run import transformers_outputs
 
 from shardprep.manifests import load_manifest

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spawn_group import run_ranks
+from support.spawn_group import run_ranks
 from test_compiled_binding import _exact_model
 
 from shardprep.prep.convert import convert

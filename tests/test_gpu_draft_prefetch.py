@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from spawn_group import run_ranks
+from support.spawn_group import run_ranks
 from test_gatherer import _error
 
 from shardprep.prep.convert import convert

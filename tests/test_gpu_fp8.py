@@ -16,8 +16,8 @@ import sys
 
 import pytest
 import torch
-from fp8_fixture import quantize_checkpoint_fp8
-from spawn_group import run_ranks
+from support.fp8_fixture import quantize_checkpoint_fp8
+from support.spawn_group import run_ranks
 
 from shardprep.planning.profile_format import load_profile
 from shardprep.prep.convert import convert
@@ -42,7 +42,7 @@ def fp8_dirs(checkpoint_cache, tmp_path_factory):
 
 
 def test_the_block_scaled_gemm_is_the_float64_product_of_its_dequantized_operands():
-    from fp8_fixture import quantize_block_fp8
+    from support.fp8_fixture import quantize_block_fp8
 
     from shardprep.standalone.block_fp8 import block_fp8_linear, dequantize_blocks, quantize_activations, uses_scaled_mm
 
@@ -79,7 +79,7 @@ def test_the_triton_quantization_gives_the_torch_ops_codes_and_scales_bit_for_bi
 def test_the_block_scaled_gemm_reads_only_its_operands(m, k, n):
     # Each operand copied elsewhere (and the old copy overwritten) gives the same bits: the GEMM path reads no
     # byte outside its operands (with K/128 not a multiple of 4 cuBLAS's did; uses_scaled_mm keeps those off it).
-    from fp8_fixture import quantize_block_fp8
+    from support.fp8_fixture import quantize_block_fp8
 
     from shardprep.standalone.block_fp8 import block_fp8_linear, uses_scaled_mm
 

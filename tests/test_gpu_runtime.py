@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_group import run_ranks
+from support.spawn_group import run_ranks
 
 from shardprep.prep.convert import convert
 
@@ -62,7 +62,7 @@ def gpu_runs(checkpoint_cache, tmp_path_factory):
 
 # -- what every rank runs ---------------------------------------------------------------------------
 def _suite(rank: int, n: int, out: str, src_dir: str, results_dir: str) -> None:
-    from checkpoints import read_state_dict
+    from support.checkpoints import read_state_dict
 
 
     device = torch.device("cuda", rank)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import make_checkpoint
-from spawn_group import run_ranks
+from support.checkpoints import make_checkpoint
+from support.spawn_group import run_ranks
 from test_run import transformers_outputs
 
 from shardprep.manifests import load_manifest
@@ -93,7 +93,7 @@ def test_every_backend_gathers_exact_bytes_inside_its_group_with_the_step_check(
 
 def _suite(rank: int, world_size: int, out: str, src_dir: str) -> dict:
     import torch.distributed as dist
-    from checkpoints import read_state_dict
+    from support.checkpoints import read_state_dict
     from test_gatherer import _mismatches
 
     from shardprep.errors import ShardprepError

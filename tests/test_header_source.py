@@ -1,7 +1,7 @@
 """`plan` and `convert --dry-run` on a hub id read config.json, the index and the safetensors headers only.
 
-A local server (tests/fake_hub.py) stands in for the hub, HF_ENDPOINT pointed at it, serving a DeepSeek-V3
-at its published size (in BF16: 1.3 TB) whose data is a hole (tests/sparse_checkpoints.py).
+A local server (tests/support/fake_hub.py) stands in for the hub, HF_ENDPOINT pointed at it, serving a DeepSeek-V3
+at its published size (in BF16: 1.3 TB) whose data is a hole (tests/support/sparse_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from fake_hub import FakeHub
-from sparse_checkpoints import DEEPSEEK_V3_CONFIG, deepseek_v3_tensors, write_sparse_checkpoint
+from support.fake_hub import FakeHub
+from support.sparse_checkpoints import DEEPSEEK_V3_CONFIG, deepseek_v3_tensors, write_sparse_checkpoint
 
 REPO = "tiny-org/deepseek-v3-bf16"
 
@@ -77,7 +77,7 @@ def test_a_repo_the_hub_does_not_have_is_one_line(hub, tmp_path):
 
 def test_a_block_fp8_dry_run_fetches_the_scales_it_checks_by_range(checkpoint_cache, tmp_path):
     # A small real block-FP8 checkpoint (not sparse): deciding the requant reads scales, fetched by range.
-    from fp8_fixture import quantize_checkpoint_fp8
+    from support.fp8_fixture import quantize_checkpoint_fp8
 
     src = quantize_checkpoint_fp8(checkpoint_cache("deepseek-v3", sharded=True), tmp_path / "fp8")
     args = ["--ranks", "2", "--preset", "deepseek-v3", "--dry-run", "--json"]

@@ -1,10 +1,10 @@
 """The hub as untrusted input: `plan` and `convert --dry-run` on a hub id stay bounded in bytes, time and memory
 whatever answers at HF_ENDPOINT, and fail in one true line (docs/reliability.md, "A hostile hub").
 
-A local stand-in (tests/fake_hub.py) misbehaves on purpose, serving a DeepSeek-V3 at its published size (in BF16:
-1.3 TB) whose data is a hole (tests/sparse_checkpoints.py), so a client that reads what it should not would read
-gigabytes. Each test is one cause of the issue (#45) and asserts, for each of its cases, the exit status, the one
-line, the bytes the server sent (under 1% of the checkpoint) and the wall time. Requests time out after 2 s here
+A local stand-in (tests/support/fake_hub.py) misbehaves on purpose, serving a DeepSeek-V3 at its published size (in
+BF16: 1.3 TB) whose data is a hole (tests/support/sparse_checkpoints.py), so a client that reads what it should not
+would read gigabytes. Each test is one cause of the issue (#45) and asserts, for each of its cases, the exit status, the
+one line, the bytes the server sent (under 1% of the checkpoint) and the wall time. Requests time out after 2 s here
 (SHARDPREP_HUB_TIMEOUT), so a stall costs seconds.
 """
 
@@ -18,8 +18,8 @@ import sys
 import time
 
 import pytest
-from fake_hub import FakeHub, cut_short, endless_chunked, error, gzip_bomb, redirect, stall, trickle, whole_file
-from sparse_checkpoints import DEEPSEEK_V3_CONFIG, deepseek_v3_tensors, write_sparse_checkpoint
+from support.fake_hub import FakeHub, cut_short, endless_chunked, error, gzip_bomb, redirect, stall, trickle, whole_file
+from support.sparse_checkpoints import DEEPSEEK_V3_CONFIG, deepseek_v3_tensors, write_sparse_checkpoint
 
 REPO = "tiny-org/deepseek-v3-bf16"
 TIMEOUT_S = 2

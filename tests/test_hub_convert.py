@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from fake_hub import FakeHub, cut_short, flipped_byte
+from support.fake_hub import FakeHub, cut_short, flipped_byte
 
 from shardprep.errors import HubError
 from shardprep.manifests.manifest import MANIFEST_NAME, load_manifest, rank_file_name

@@ -1,4 +1,4 @@
-"""The `kimi-k3` preset on the tiny Kimi K3 checkpoint (tests/checkpoints.py: KDA in layers 0, 1, 3, MLA with
+"""The `kimi-k3` preset on the tiny Kimi K3 checkpoint (tests/support/checkpoints.py: KDA in layers 0, 1, 3, MLA with
 q-LoRA and the output gate in layer 2, latent MoE after the dense layer 0): the fused views are vLLM's parameters,
 byte for byte (in_proj_qkvgfab with its 14 zero pad rows), and SGLang's lie inside them over the same bytes
 (fused_qkvg_proj in in_proj_qkvgfab, fused_qkv_a_proj in fused_qkv_a_g_proj), kv_b_proj stays replicated, the pad
@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
-from checkpoints import kimi_k3_tensors, kimi_k3_values, read_state_dict
-from reconstruct import rebuild_layers
+from support.checkpoints import kimi_k3_tensors, kimi_k3_values, read_state_dict
+from support.reconstruct import rebuild_layers
 
 from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert

@@ -1,6 +1,7 @@
-"""A DeepSeek-V3 checkpoint with its MTP layer, as DeepSeek publishes it (tests/checkpoints.py, make_mtp_checkpoint):
-convert records the MTP layer as a draft's and shards it like a decoder layer, dry-run / inspect / plan show it
-apart from the target's layers, and `shardprep run` serves the target alone, the draft's layers left unread.
+"""A DeepSeek-V3 checkpoint with its MTP layer, as DeepSeek publishes it (tests/support/checkpoints.py,
+make_mtp_checkpoint): convert records the MTP layer as a draft's and shards it like a decoder layer, dry-run /
+inspect / plan show it apart from the target's layers, and `shardprep run` serves the target alone, the draft's
+layers left unread.
 Kimi K3 with its MTP layer (`kimi-k3-mtp`): the same record, its layer sharded by the `kimi-k3` preset's decoder
 rules, shown apart by dry-run, inspect and plan.
 """
@@ -180,7 +181,7 @@ def test_manifest_refuses_a_draft_layer_before_a_target_layer(mtp_out):
 def test_a_draft_layer_is_gathered_once_per_target_forward_and_held_through_every_draft_pass(
         mtp_src, tmp_path, world_of_one):
     import transformers
-    from checkpoints import read_state_dict
+    from support.checkpoints import read_state_dict
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     from shardprep.loader.rank_shards import open_rank
@@ -213,7 +214,7 @@ def test_a_draft_layer_is_gathered_once_per_target_forward_and_held_through_ever
     assert binding.draft_parameters[name] is block.self_attn.o_proj.weight and draft.index == L
 
 
-K3_L = 4  # Kimi K3's decoder layers 0..3; layer 4 is its MTP layer (tests/checkpoints.py, kimi-k3-mtp)
+K3_L = 4  # Kimi K3's decoder layers 0..3; layer 4 is its MTP layer (tests/support/checkpoints.py, kimi-k3-mtp)
 
 
 @pytest.fixture(scope="module")

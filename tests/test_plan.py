@@ -228,7 +228,7 @@ def test_the_predicted_trace_is_the_plans_own_step_layer_by_layer(llama8, tmp_pa
 
 
 def test_the_predicted_trace_loads_in_devtools_trace_engine(llama8, tmp_path):
-    from trace_reader import read_trace
+    from support.trace_reader import read_trace
 
     _, trace = plan_with_trace(llama8, tmp_path)
     document = json.loads(trace.read_text())

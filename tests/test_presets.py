@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import read_state_dict
-from reconstruct import rebuild_layers
+from support.checkpoints import read_state_dict
+from support.reconstruct import rebuild_layers
 from typer.testing import CliRunner
 
 from shardprep.cli import app

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from spawn_group import run_ranks
+from support.spawn_group import run_ranks
 from torch import nn
 
 from shardprep.errors import ShardprepError

@@ -9,7 +9,7 @@ import os
 import sys
 
 import pytest
-from terminal import run_on_a_terminal
+from support.terminal import run_on_a_terminal
 from typer.testing import CliRunner
 
 from shardprep.cli import app
@@ -60,7 +60,7 @@ def test_dry_run_profiles_every_layer_and_backend_and_plan_reads_it(checkpoint_c
     assert {f"shardprep::layer {i}" for i in range(4)} <= names
     assert {"shardprep::gather layer 1", "shardprep::gather layer 3"} <= names
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "profile.json", "trace.json"]  # no temp left
-    from trace_reader import read_trace
+    from support.trace_reader import read_trace
 
     read = read_trace(trace)
     placed = {e["name"] for p in read["processes"].values() for t in p["threads"].values() for e in t["entries"]}

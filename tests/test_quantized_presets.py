@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from checkpoints import read_state_dict
+from support.checkpoints import read_state_dict
 
 from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert

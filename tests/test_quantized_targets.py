@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from fp8_fixture import quantize_checkpoint_fp8
 from safetensors import safe_open
+from support.fp8_fixture import quantize_checkpoint_fp8
 
 from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert

@@ -43,7 +43,7 @@ def run_step(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
 def test_readme_quick_start_converts_a_block_fp8_checkpoint_and_says_what_it_requantized(
         tmp_path, monkeypatch, capsys):
     commands, readme_line = quick_start()
-    assert [argv[:2] for argv in commands] == [["python3", "tests/checkpoints.py"], ["shardprep", "convert"],
+    assert [argv[:2] for argv in commands] == [["python3", "tests/support/checkpoints.py"], ["shardprep", "convert"],
                                                ["shardprep", "validate"], ["shardprep", "inspect"]]
     assert "--fp8" in commands[0]
     monkeypatch.chdir(tmp_path)  # the relative paths (examples/..., out/) land here, not in the repo

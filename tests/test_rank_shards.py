@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import read_state_dict
+from support.checkpoints import read_state_dict
 
 from shardprep.errors import IntegrityError, RuntimeShardError
 from shardprep.loader import RankShards, iter_replicated, load_replicated, open_rank

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from recipes import PAGE, Recipe, read_recipes
+from support.recipes import PAGE, Recipe, read_recipes
 
 from shardprep.cli import app
 from shardprep.prep.selection import builtin_presets

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from checkpoints import read_state_dict
-from fp8_fixture import QUANTIZATION_CONFIG, quantize_block_fp8, quantize_checkpoint_fp8
+from support.checkpoints import read_state_dict
+from support.fp8_fixture import QUANTIZATION_CONFIG, quantize_block_fp8, quantize_checkpoint_fp8
 
 from shardprep.errors import RequantError
 from shardprep.requant import (

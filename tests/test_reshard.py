@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from fp8_fixture import quantize_checkpoint_fp8
+from support.fp8_fixture import quantize_checkpoint_fp8
 from test_format_v2 import downgrade_to_v1
 from test_output_kills import wait_for
 from typer.testing import CliRunner

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 import torch
-from spawn_group import free_port
-from terminal import run_on_a_terminal
+from support.spawn_group import free_port
+from support.terminal import run_on_a_terminal
 from typer.testing import CliRunner
 
 from shardprep.cli import app

@@ -9,7 +9,7 @@ on a machine without a GPU, or fetch its FP8 kernel from the hub on one.
 
 import pytest
 import torch
-from fp8_fixture import quantize_checkpoint_fp8
+from support.fp8_fixture import quantize_checkpoint_fp8
 from test_run import K, shardprep_run
 
 from shardprep.manifests import load_manifest

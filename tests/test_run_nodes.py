@@ -11,7 +11,7 @@ import shutil
 import sys
 
 import pytest
-from spawn_group import free_port
+from support.spawn_group import free_port
 from test_run import run_at_once
 
 from shardprep.errors import OptionsMismatchError

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from spawn_group import run_ranks
+from support.spawn_group import run_ranks
 from test_gatherer import local_only_dir
 
 from shardprep.errors import ShardprepError
@@ -66,7 +66,7 @@ def world(checkpoint_cache, conversion_cache, tmp_path_factory):
 
 def _suite(rank: int, world_size: int, dirs: list[str], src_dir: str) -> dict:
     import torch.distributed as dist
-    from checkpoints import read_state_dict
+    from support.checkpoints import read_state_dict
     from test_gatherer import _mismatches
 
     from shardprep.loader import open_rank

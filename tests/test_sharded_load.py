@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import read_state_dict
-from fake_server import FakeServer, give_load_weights
+from support.checkpoints import read_state_dict
+from support.fake_server import FakeServer, give_load_weights
 from torch import nn
 
 from shardprep.errors import ManifestError, RuntimeShardError, ShardprepError

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from spawn_group import run_ranks
+from support.spawn_group import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,8 +20,8 @@ import os
 
 import pytest
 import torch
-from checkpoints import LLAMA_ALL_LINEAR
-from spawn_group import run_ranks
+from support.checkpoints import LLAMA_ALL_LINEAR
+from support.spawn_group import run_ranks
 
 from shardprep.prep.convert import convert
 from shardprep.prep.inspect import inspect

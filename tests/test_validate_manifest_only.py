@@ -224,7 +224,7 @@ def test_a_missing_path_or_a_directory_without_a_manifest_cannot_run(tmp_path):
 
 @pytest.fixture(scope="module")
 def fp8_converted(checkpoint_cache, tmp_path_factory):
-    from fp8_fixture import quantize_checkpoint_fp8
+    from support.fp8_fixture import quantize_checkpoint_fp8
 
     root = tmp_path_factory.mktemp("manifest-only-fp8")
     src = root / "fp8"

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-from spawn_group import free_port
+from support.spawn_group import free_port
 
 from shardprep.errors import RuntimeShardError
 from shardprep.manifests import LayerRecord, Manifest, TensorSpec, align_up, plan_file_offsets, plan_layer

@@ -32,9 +32,9 @@ pytestmark = pytest.mark.timeout(3600)
 
 from draft_probe import ARMED, UNBOUND, digests, record  # noqa: E402
 from engine_runs import check_same_per_rank, own_rank_files, run_engines  # noqa: E402
-from fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 from quant_kernels import QUANT_KERNELS  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
+from support.fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.planning.accounting import draft_account  # noqa: E402

@@ -2,7 +2,7 @@
 
 Every checkpoint a test converts comes from here, so the tests read files that something other than
 shardprep wrote. The only thing shardprep-specific that a test may add on top is block-FP8
-quantization (tests/fp8_fixture.py), which the command line's `--fp8` applies for README's quick start.
+quantization (tests/support/fp8_fixture.py), which the command line's `--fp8` applies for README's quick start.
 
 Kimi K3 (`kimi-k3`) is the exception: no library writes its checkpoints (transformers has no K3 model), so
 its config is vLLM's own `KimiLinearConfig` (save_pretrained) and its tensors are written with safetensors
@@ -215,7 +215,7 @@ def make_mtp_checkpoint(directory: str | Path, arch: str = "deepseek-v3-mla", *,
                         tokenizer: bool = True) -> Path:
     """A DeepSeek-V3 checkpoint with one Multi-Token-Prediction layer, laid out as DeepSeek publishes V3/R1.
 
-    How it is built (rebuild it with `python tests/checkpoints.py DIR --arch deepseek-v3-mla-mtp`):
+    How it is built (rebuild it with `python tests/support/checkpoints.py DIR --arch deepseek-v3-mla-mtp`):
     1. transformers writes the DeepSeek-V3 `arch` with `layers + 1` decoder layers (save_pretrained), so layer
        L = `layers` is a full MLA + MoE decoder layer as transformers names it;
     2. config.json is changed to `num_hidden_layers: L` and `num_nextn_predict_layers: 1`: layer L is then the
@@ -586,7 +586,7 @@ def read_state_dict_files(directory: Path, files: list[str]) -> dict[str, torch.
 
 
 if __name__ == "__main__":
-    # `python tests/checkpoints.py DIR [--arch deepseek-v3] [--fp8]`: the README's example checkpoint.
+    # `python tests/support/checkpoints.py DIR [--arch deepseek-v3] [--fp8]`: the README's example checkpoint.
     import argparse
     import tempfile
 
@@ -599,13 +599,17 @@ if __name__ == "__main__":
     ap.add_argument("--fp8", action="store_true",
                     help="then quantize every projection to block FP8 as DeepSeek-V3's checkpoints are (128x128 "
                          "blocks, float32 weight_scale_inv = amax/448, config.json's quantization_config), with "
-                         "tests/fp8_fixture.py")
+                         "tests/support/fp8_fixture.py")
     a = ap.parse_args()
     if not a.fp8:
         path = make_checkpoint(a.directory, a.arch, layers=a.layers, hidden=a.hidden, sharded=a.sharded)
         print(f"wrote a tiny random {a.arch} checkpoint to {path}")
     else:
-        from fp8_fixture import quantize_checkpoint_fp8
+        import sys
+
+        # Run as a script, tests/support/ is on sys.path, not tests/ (which conftest.py puts there for the tests).
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from support.fp8_fixture import quantize_checkpoint_fp8
 
         # save_pretrained writes bfloat16; the quantizer reads that copy and writes DIR (it cannot rewrite in place).
         with tempfile.TemporaryDirectory(prefix="shardprep-bf16-") as bf16:

@@ -45,7 +45,7 @@ def run_per_rank(script: Path, plans: list[dict[str, Any]], root: Path, env: dic
     A rank that fails stops the others within seconds: its peers would otherwise wait in a collective until
     `timeout`.
     """
-    from spawn_group import exit_description
+    from support.spawn_group import exit_description
 
     procs = []
     for rank, plan in enumerate(plans):

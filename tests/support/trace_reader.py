@@ -35,7 +35,8 @@ def read_trace(path: Path) -> dict[str, Any]:
     test where node or the engine is not installed."""
     node, engine = shutil.which("node"), engine_dir()
     if node is None or engine is None:
-        pytest.skip("no offline trace reader: needs node and @paulirish/trace_engine (see tests/trace_reader.py)")
+        pytest.skip("no offline trace reader: needs node and @paulirish/trace_engine "
+                    "(see tests/support/trace_reader.py)")
     proc = subprocess.run([node, str(SCRIPT), str(engine), str(path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"DevTools' trace engine could not read {path}:\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""Block-FP8 quantization of a checkpoint from tests/checkpoints.make_checkpoint, the way DeepSeek's are.
+"""Block-FP8 quantization of a checkpoint from tests/support/checkpoints.make_checkpoint, the way DeepSeek's are.
 
 DeepSeek-V3's FP8 checkpoints store each linear weight as float8_e4m3fn with a float32 `weight_scale_inv`
 per 128x128 block equal to the block's amax / 448 (not a power of two), and declare it in config.json's

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 BLOCK = re.compile(r"^```bash recipe=(?P<id>[\w-]+)\n(?P<body>.*?)^```$", re.S | re.M)
 NODE = re.compile(r"^# node (\d+)\b")
 

@@ -218,7 +218,7 @@ class FakeHub:
 
 def _etags(path: Path, size: int) -> dict[str, object]:
     """The ETag the hub sends: an LFS file's sha256 (also as X-Linked-Etag, with X-Linked-Size), else its git
-    blob id; none for a file too large to send whole (the sparse terabytes of tests/sparse_checkpoints.py)."""
+    blob id; none for a file too large to send whole (the sparse terabytes of tests/support/sparse_checkpoints.py)."""
     if size > WHOLE_FILE_LIMIT:
         return {}
     sha256, git_oid = checksums(path)
