@@ -208,7 +208,7 @@ print(json.dumps({{"hwm": hwm, "requantized": s.requantized_tensors, "bytes": s.
 
 @pytest.mark.slow
 def test_requant_convert_memory_stays_bounded(tmp_path):
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).parents[1])
     fp8, out = tmp_path / "fp8", tmp_path / "out"
     child = CHILD.format(fp8=str(fp8), out=str(out))
     proc = subprocess.run([sys.executable, "-c", MEASURE.format(tests=tests, bf16=str(tmp_path / "bf16"),

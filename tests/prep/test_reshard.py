@@ -29,7 +29,7 @@ from shardprep.prep.output.writer import CopyMode
 from shardprep.prep.reshard_plan import plan_reshard
 from shardprep.prep.validate import validate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 

@@ -23,7 +23,7 @@ from shardprep.prep.convert import convert
 from shardprep.prep.output.output_dir import is_staging_dir
 from shardprep.prep.validate import validate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 # Every filesystem call convert makes through `os` (file objects' writes end in fsync/replace, also counted).
 STEPS = ("open", "mkdir", "rename", "replace", "unlink", "rmdir", "link", "pwrite", "fsync", "ftruncate", "chmod",
          "sendfile", "copy_file_range", "scandir")

@@ -51,7 +51,7 @@ def big_output(tmp_path_factory):
     """A checkpoint of several hundred MB, converted for 8 ranks in a fresh process: (out, convert's result)."""
     tmp_path = tmp_path_factory.mktemp("big")
     src = tmp_path / "big"
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).parents[1])
     subprocess.run([sys.executable, "-c", MAKE.format(tests=tests, path=str(src))], check=True, capture_output=True)
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     assert size > 300 * MB, f"checkpoint is only {size / MB:.0f} MB"

@@ -22,7 +22,7 @@ from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert
 from shardprep.prep.selection import builtin_presets, load_preset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QKV_A = "self_attn.fused_qkv_a_proj.weight"
 
 

@@ -32,7 +32,7 @@ from shardprep.prep.export import export, target_file_name
 from shardprep.prep.output.opened_output import open_output
 from shardprep.prep.output.output_dir import EXPORT_RECORD, is_staging_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 
