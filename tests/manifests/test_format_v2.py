@@ -22,7 +22,7 @@ from shardprep.prep.convert_plan import AUTO_CHUNK_ALIGNMENT, choose_rank_layout
 from shardprep.prep.selection import TargetPlan
 from shardprep.prep.validate import validate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from shardprep.manifests.safetensors_header import read_safetensors_header
 from shardprep.prep.convert import convert
 from shardprep.runtime.views import layer_views
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from shardprep.prep.convert import convert
 from shardprep.prep.requant_jobs import RequantOptions
 from shardprep.requant import requant_ue8m0
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu
 
 FP8 = torch.float8_e4m3fn

@@ -26,7 +26,7 @@ from test_run import transformers_outputs
 from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu
 
 W, N, K = 4, 2, 8
