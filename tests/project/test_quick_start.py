@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from shardprep.cli import app
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def quick_start() -> tuple[list[list[str]], str]:

@@ -32,7 +32,7 @@ from shardprep.integrations.sharded_load import ShardedLoad, check_layout
 from shardprep.integrations.vllm.adapter import VllmAdapter
 from shardprep.manifests import load_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARDED = ShardprepLoadOptions(shard_weights=True)
 
 

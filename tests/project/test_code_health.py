@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Modules whose import needs what CI does not have (vLLM, a CUDA driver binding, Triton): their examples are skipped.
 OPTIONAL = ("shardprep.integrations.", "shardprep.standalone.fp8_activation_kernel")
 

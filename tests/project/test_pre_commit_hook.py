@@ -23,7 +23,7 @@ import yaml
 from shardprep.manifests.manifest import MANIFEST_NAME
 from shardprep.prep.convert import convert
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HOOKS = ROOT / ".pre-commit-hooks.yaml"
 
 

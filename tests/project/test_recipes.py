@@ -15,7 +15,7 @@ from support.recipes import PAGE, Recipe, read_recipes
 from shardprep.cli import app
 from shardprep.prep.selection import builtin_presets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = read_recipes()
 SERVED = {k: r for k, r in RECIPES.items() if r.commands}
 # Where each server's stage checks its recipes; a recipe of a server is listed in that test.
