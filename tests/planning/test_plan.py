@@ -1,7 +1,7 @@
 """`shardprep plan`: memory and KV figures, the layer choice and its `convert --layers`, the verdict, no torch.
 
 Profiles here are written through the Profile dataclasses with chosen times, so each test controls where
-the gathers hide; tests/test_profile.py checks a measured one end to end.
+the gathers hide; tests/standalone/test_profile.py checks a measured one end to end.
 """
 
 import json

@@ -15,8 +15,8 @@ import pytest
 import torch
 from support.checkpoints import read_state_dict
 from support.fp8_fixture import quantize_checkpoint_fp8
+from support.paused import wait_for
 from support.reconstruct import rebuild_layers
-from test_output_kills import wait_for
 from test_reshard import KINDS, corrupt, one_line_error, tree
 from typer.testing import CliRunner
 

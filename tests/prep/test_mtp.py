@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from test_run import K, shardprep_run, transformers_outputs
+from support.runs import K, shardprep_run, transformers_outputs
 from typer.testing import CliRunner
 
 from shardprep.cli import app

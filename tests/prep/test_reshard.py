@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from support.fp8_fixture import quantize_checkpoint_fp8
+from support.paused import wait_for
 from test_format_v2 import downgrade_to_v1
-from test_output_kills import wait_for
 from typer.testing import CliRunner
 
 import shardprep

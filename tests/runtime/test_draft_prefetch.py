@@ -1,7 +1,7 @@
 """The draft's first gather off the target's forward (`prefetch_draft()`, gatherer.py "The draft's first gather"), on
 real gloo groups of 2 ranks, against the source checkpoint: prefetched, inline at a cold start, and in the target's
 forward (today's schedule) give the same bytes; skipped draft steps keep the ranks aligned; misuse is refused or
-harmless. CUDA graphs: tests/test_gpu_draft_prefetch.py.
+harmless. CUDA graphs: tests/runtime/test_gpu_draft_prefetch.py.
 
 Three drafts: DeepSeek-V3's MTP layer as convert records it (one layer after two target layers), and a Llama's last
 two layers, or last layer, recorded as a draft (the gatherer reads only the record's layers, whatever made them).

@@ -10,7 +10,7 @@ It runs on as many ranks as there are GPUs, up to 2 (NCCL refuses two ranks on o
 directory is converted for one rank: the ops, the slot schedule and the fixed addresses are exercised, but a
 "gather" is a local copy; only 2 GPUs exercise real gathers inside a graph.
 
-    python3 -m pytest -q -m gpu tests/test_gpu_compiled.py
+    python3 -m pytest -q -m gpu tests/runtime/test_gpu_compiled.py
 """
 
 from __future__ import annotations

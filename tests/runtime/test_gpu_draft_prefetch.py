@@ -11,7 +11,7 @@ It runs on as many ranks as there are GPUs, up to 2 (NCCL refuses two ranks on o
 converted for one rank and the copy path is forced: a "gather" is then a same-device copy of the layer (NCCL's
 one-rank all-gather), which exercises the streams, events and graphs but no link.
 
-    python3 -m pytest -q -m gpu tests/test_gpu_draft_prefetch.py
+    python3 -m pytest -q -m gpu tests/runtime/test_gpu_draft_prefetch.py
 """
 
 from __future__ import annotations

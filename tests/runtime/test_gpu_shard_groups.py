@@ -5,7 +5,7 @@ What differs from one group on the world: the world's communicator is split for 
 takes part in every split), nccl-symm splits its own communicator from its group's, ce rendezvouses its
 symmetric memory and passes its zero-copy descriptors within a group, the zero-copy agreement and the
 debug step check run on the group. On a GPU machine:
-`python3 -m pytest -q -m gpu tests/test_gpu_shard_groups.py`.
+`python3 -m pytest -q -m gpu tests/runtime/test_gpu_shard_groups.py`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from support.checkpoints import make_checkpoint
+from support.runs import transformers_outputs
 from support.spawn_group import run_ranks
-from test_run import transformers_outputs
 
 from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert

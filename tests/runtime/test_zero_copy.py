@@ -1,6 +1,6 @@
 """Zero-copy own chunk on the CPU: the layout of every view, the decision, and the fallback.
 
-The mappings themselves need a GPU (tests/test_gpu_runtime.py); here: which bytes of which memory
+The mappings themselves need a GPU (tests/runtime/test_gpu_runtime.py); here: which bytes of which memory
 each view maps, that a manifest whose chunks do not sit on the mapping granularity is refused with
 its reason, and that the gatherer falls back to copying (saying so) wherever zero copy cannot work.
 """

@@ -1,7 +1,7 @@
 """The GPU checks, as tests (marked `gpu`, skipped without CUDA): CUDA gives the CPU's bytes, and
 `shardprep run --device cuda` gives transformers' outputs on the same GPU, bit for bit.
 
-On a GPU machine: `python3 -m pytest -q -m gpu tests/test_gpu_checks.py tests/test_gpu_runtime.py`.
+On a GPU machine: `python3 -m pytest -q -m gpu tests/standalone/test_gpu_checks.py tests/runtime/test_gpu_runtime.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 from support.checkpoints import make_checkpoint
 from support.fp8_fixture import quantize_checkpoint_fp8
-from test_run import transformers_outputs
+from support.runs import transformers_outputs
 
 from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert

@@ -1,7 +1,7 @@
 """Block-FP8 models on one GPU (marked `gpu`, skipped without CUDA): torch's block-scaled GEMM, through the
 binding, eagerly and in a CUDA graph, gives the resident model's bytes.
 
-`python3 -m pytest -q -m gpu tests/test_gpu_fp8.py` (part of `benchmarks/gpu_checks.sh one-gpu`).
+`python3 -m pytest -q -m gpu tests/standalone/test_gpu_fp8.py` (part of `benchmarks/gpu_checks.sh one-gpu`).
 
 The CUDA-graph case is a block-FP8 Llama: transformers' MoE routing (the experts loop that the FP8 layers
 run) reads which experts were hit on the host, which no CUDA graph can capture, so the DeepSeek-V3 (MLA +

@@ -1,7 +1,7 @@
 """`shardprep profile` on 2 GPUs (marked `gpu`, skipped without them): the CUDA path measures what the CPU
 dry run only exercises, and `shardprep plan` predicts from it.
 
-On a GPU machine: `python3 -m pytest -q -m gpu tests/test_gpu_plan.py` (part of `gpu_checks.sh checks`).
+On a GPU machine: `python3 -m pytest -q -m gpu tests/standalone/test_gpu_plan.py` (part of `gpu_checks.sh checks`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ on a machine without a GPU, or fetch its FP8 kernel from the hub on one.
 import pytest
 import torch
 from support.fp8_fixture import quantize_checkpoint_fp8
-from test_run import K, shardprep_run
+from support.runs import K, shardprep_run
 
 from shardprep.manifests import load_manifest
 from shardprep.prep.convert import convert

@@ -1,7 +1,7 @@
 """`shardprep run` as two nodes on localhost when something goes wrong: every node ends with one line.
 
 Two launches (`--nnodes 2 --node-rank k --rdzv-endpoint`), 2 ranks each, each node with its own copy of
-OUT, as in tests/test_run.py. A rank that fails on node 1 must not leave node 0 with transport tracebacks
+OUT, as in tests/standalone/test_run.py. A rank that fails on node 1 must not leave node 0 with transport tracebacks
 and "rank 0 exited with status 1": both nodes print the launch's first failure (rank, node, what). And
 options that differ between the nodes are refused on both, in one line naming the option.
 """

@@ -1,5 +1,5 @@
 """docs/recipes.md read as data: each recipe's section (title, status, prose) and its block's commands, split as a
-shell splits them. tests/test_recipes.py holds the recipes to shardprep's command line and to each other;
+shell splits them. tests/project/test_recipes.py holds the recipes to shardprep's command line and to each other;
 tests/vllm_engines/test_vllm_recipes.py and tests/sglang_engines/test_sglang_recipes.py to the servers' own
 argument parsers and to the engine tests' configurations.
 """

@@ -294,7 +294,7 @@ def test_offline_is_one_line_within_5_seconds(tmp_path, case, endpoint, env, say
 
 
 def test_offline_a_complete_cached_copy_is_read(checkpoint_cache, tmp_path):
-    from test_hub_source import make_hub_cache
+    from support.hub_cache import make_hub_cache
 
     make_hub_cache(tmp_path / "cache", "tiny-org/tiny-llama", checkpoint_cache("llama", sharded=True))
     for env, endpoint in (({"HF_HUB_OFFLINE": "1"}, "http://127.0.0.1:9"), ({}, "http://hub.invalid")):

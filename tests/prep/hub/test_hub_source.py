@@ -1,28 +1,12 @@
 """A hub repo id resolves through a cache laid out the way huggingface_hub lays it out, fully offline."""
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-
-
-def make_hub_cache(cache, repo_id, src, commit="0123456789abcdef0123456789abcdef01234567"):
-    """models--org--name/{blobs/<sha256>, snapshots/<commit>/<file> -> ../../blobs/<sha256>, refs/main}."""
-    repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
-    (repo_dir / "blobs").mkdir(parents=True)
-    (repo_dir / "refs").mkdir()
-    snap = repo_dir / "snapshots" / commit
-    snap.mkdir(parents=True)
-    for path in sorted(src.iterdir()):
-        data = path.read_bytes()
-        blob = repo_dir / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        os.symlink(os.path.relpath(blob, snap), snap / path.name)
-    (repo_dir / "refs" / "main").write_text(commit)
-    return commit
+from support.hub_cache import make_hub_cache
 
 
 def run_cli(args, cache):

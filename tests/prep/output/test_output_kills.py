@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.paused import wait_for
 from typer.testing import CliRunner
 
 import shardprep.prep.output.output_dir as output_dir
@@ -214,17 +215,6 @@ def test_sigkill_of_the_cli_at_random_moments_leaves_old_or_new(llama, tmp_path)
         assert_old_or_new(out, {2, 3})
     convert(llama, out, 2, preset="llama", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], f"seed {seed}"
-
-
-def wait_for(path, proc, timeout=120):
-    """The path a driver wrote to `path` once paused. `write_text` creates the file before it writes, so a file seen
-    empty is still being written (read as `Path("")`, it failed CI once: `is_staging_dir(PosixPath('.'))`)."""
-    deadline = time.monotonic() + timeout
-    while not (path.exists() and path.read_text()):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the driver never reached the pause"
-        time.sleep(0.02)
-    return Path(path.read_text())
 
 
 def tree(path):

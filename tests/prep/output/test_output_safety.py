@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from test_hub_source import make_hub_cache
+from support.hub_cache import make_hub_cache
 from typer.testing import CliRunner
 
 import shardprep.prep.output.output_dir as output_dir

@@ -34,7 +34,7 @@ from shardprep.prep.output.output_dir import _remove_abandoned, staged_output
 from shardprep.prep.reshard import reshard
 from shardprep.prep.validate import validate
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 # A writer (`shardprep ARGS...`) that, once its new output is staged and fsynced, waits until the reader has
