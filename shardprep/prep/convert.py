@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import ShardprepError, SourceError
+from ..errors import ShardprepError
 from ..manifests.manifest import MAX_WORLD_SIZE
 from .convert_plan import ConvertPlan, make_plan, parse_chunk_alignment
 from .header_source import open_headers
 from .hub.repo_id import hub_repo_id
-from .hub.stream import open_hub_source
+from .hub.stream import check_requant_pairs, open_hub_source
 from .output.output_dir import check_output_dir, staged_output
 from .output.writer import CopyMode, Progress, output_bytes, write_plan
 from .requant_jobs import RequantOptions
@@ -157,10 +157,7 @@ def _convert_streamed(repo_id: str, out: Path, ranks: int, mode: CopyMode, t0: f
     try:
         plan = _plan(source.checkpoint, repo_id, ranks, targets, preset, layers, layer_pattern, requant,
                      chunk_alignment, allow_preset_mismatch)
-        if plan.requant is not None:
-            raise SourceError(f"{repo_id}: its block-FP8 weights are requantized, which reads them ahead of the "
-                              "writer, so this conversion needs the whole source on disk: add --keep-source (or "
-                              "--requant none to keep the scales as they are)")
+        check_requant_pairs(plan)
         with staged_output(out, inputs=[source.fetch_dir], overwrite=overwrite,
                            needed_bytes=source.disk_bytes_needed(plan)) as tmp:
             # The fetch directory is touched under OUT's lock only, so no other conversion into OUT shares it.

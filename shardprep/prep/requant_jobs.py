@@ -230,12 +230,18 @@ class RequantRunner:
     A bounded window (jobs and bytes) is in flight, so memory stays bounded whatever the checkpoint.
     Use as a context manager; `producer(name)` gives the callable that returns a rewritten tensor's bytes.
 
+    With `on_disk` (a source fed a file at a time), only the jobs named in `order` run ahead, each once
+    `on_disk(path)` holds for its weight's and its scale's file, in order: a job is never started on a file
+    that is still to come or that will be dropped before the writer asks for the job (a file is dropped only
+    after everything in `order` that reads it). Any other job runs when the writer asks for it.
+
     >>> with RequantRunner(plan, order) as runner:  # doctest: +SKIP
     ...     data = runner.producer("model.layers.1.mlp.down_proj.weight")()
     """
 
-    def __init__(self, plan: RequantPlan, order: Sequence[str] = ()):
+    def __init__(self, plan: RequantPlan, order: Sequence[str] = (), on_disk: Callable[[str], bool] | None = None):
         self.plan = plan
+        self._on_disk = on_disk
         self._scale_owner = {job.scale.name: name for name, job in plan.jobs.items()}
         self._pool: ThreadPoolExecutor | None = None
         self._torch_threads = 0
@@ -245,7 +251,8 @@ class RequantRunner:
         self._scales: dict[str, np.ndarray] = {}
         queued = [n for n in dict.fromkeys(order) if n in plan.jobs]
         seen = set(queued)
-        self._pending: deque[str] = deque(queued + [n for n in plan.jobs if n not in seen])
+        rest = [n for n in plan.jobs if n not in seen] if on_disk is None else []
+        self._pending: deque[str] = deque(queued + rest)
         self._order = order
 
     def __enter__(self) -> RequantRunner:
@@ -287,11 +294,14 @@ class RequantRunner:
             if name in self._taken or name in self._futures:
                 self._pending.popleft()
                 continue
-            nbytes = self.plan.jobs[name].weight.nbytes
+            job = self.plan.jobs[name]
+            nbytes = job.weight.nbytes
             if self._futures and self._in_flight_bytes + nbytes > WINDOW_BYTES:
                 break
+            if self._on_disk is not None and not (self._on_disk(job.weight_path) and self._on_disk(job.scale_path)):
+                break  # its file is still to come: asked for, it runs inline, and the window moves on
             self._pending.popleft()
-            self._futures[name] = pool.submit(run_job, self.plan.jobs[name])
+            self._futures[name] = pool.submit(run_job, job)
             self._in_flight_bytes += nbytes
 
     def _result(self, weight_name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -33,6 +33,8 @@ import torch.multiprocessing as mp
 PRELOAD = ["torch", "torch.distributed", "transformers", "pytest"]
 """Imported once by the fork server (one missing is skipped); the test module that defines a rank's function is
 imported by each child, as with spawn."""
+START_METHOD = os.environ.get("SHARDPREP_TEST_START_METHOD", "forkserver")
+"""`spawn`: each child a fresh interpreter that imports torch itself (the way to time one method against the other)."""
 POLL_S = 0.5  # how often the parent looks at the processes while it waits for results
 GRACE_S = 5.0  # after one rank failed, how long its peers may still report before they are killed
 TAIL_LINES = 20
@@ -86,8 +88,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     crash) makes it raise within seconds naming the rank, its signal or exit code and its stderr's end; a rank
     that does not finish within `timeout` seconds is killed and reported. Peers of a failed rank are killed.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first group of this process
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first group of this process
     env = {**os.environ, **(env or {})}  # the server's environment is the one it started with
     results_queue = ctx.Queue()
     port = free_port()

@@ -217,6 +217,19 @@ class HubSource:
                 part.unlink()
 
 
+def check_requant_pairs(plan: ConvertPlan) -> None:
+    """Refuse, in one line, a requantized weight whose scale sits in another file: each file is on disk only while
+    its own layers and replicated part are written, and the requant reads a weight and its scale together.
+
+    >>> check_requant_pairs(plan)  # doctest: +SKIP
+    """
+    for name, job in (plan.requant.jobs.items() if plan.requant else ()):
+        if job.weight.file != job.scale.file:
+            raise SourceError(f"{plan.source.repo_id}: tensor {name!r} is in {job.weight.file} and its scale in "
+                              f"{job.scale.file}; a conversion fetched a file at a time requantizes a weight only "
+                              "beside its scale: add --keep-source (or --requant none)")
+
+
 def open_hub_source(repo_id: str, revision: str | None, out: Path) -> HubSource:
     """The repo at `revision` opened for a streamed convert into `out`: headers by range, the file list, each
     shard's size checked against the list; nothing written yet.
@@ -349,6 +362,28 @@ class HubFeed:
         self.fetched: list[str] = []
         self._directory: Path | None = None
         self._write: Callable[[ReplicatedFile], tuple[bool, list[str]] | None] | None = None
+
+    def write_order(self) -> list[str]:
+        """The tensors the writer will consume, in order: each replicated file still to write where it is settled
+        (files no layer reads first, each other file after the last layer that reads it) and the layers still to
+        write. The requant runs ahead along this order only, so no job it starts reads a file after its drop.
+
+        >>> order = feed.write_order()  # doctest: +SKIP
+        """
+        done, settled = len(self.state.layers), set(self.state.files)
+        by_last: dict[int, list[str]] = {}
+        for name, last in self.live.last.items():
+            by_last.setdefault(last, []).append(name)
+
+        def settling(last: int) -> list[str]:
+            files = [self.replicated[n] for n in by_last.get(last, ()) if n not in settled and n in self.replicated]
+            return [t.name for f in files for t in f.tensors or ()]
+
+        order = settling(-1)
+        for index, lay in enumerate(self.plan.layouts):
+            order += settling(index - 1) if index else []
+            order += [e.name for e in lay.entries] if index >= done else []
+        return order + settling(len(self.plan.layouts) - 1)
 
     def start(self, directory: Path, write_file: Callable[[ReplicatedFile], tuple[bool, list[str]] | None]) -> None:
         """Take back what a previous run wrote, fetch the small files, then each file no layer reads, one at a

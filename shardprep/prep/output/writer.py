@@ -79,6 +79,7 @@ class SourceFeed(Protocol):
         ...
 
     def before_layer(self, index: int, written: list[LayerRecord]) -> LayerRecord | None: ...
+    def write_order(self) -> list[str]: ...
     def finish(self) -> dict[str, tuple[bool, list[str]] | None]: ...
 
 
@@ -115,7 +116,9 @@ def write_plan(plan: ConvertPlan, directory: Path, copy_mode: str = "auto",
     >>> write_plan(make_plan(ckpt, 8, selection), Path("staging/"))  # doctest: +SKIP
     """
     tracker = _Tracker(plan.target_bytes + plan.rewritten_bytes, progress)
-    runner = RequantRunner(plan.requant, plan.write_order()) if plan.requant else None
+    # With a feed, the requant runs ahead only along the feed's order and only on files on disk (RequantRunner).
+    ahead = (feed.write_order(), os.path.isfile) if feed is not None else (plan.write_order(), None)
+    runner = RequantRunner(plan.requant, *ahead) if plan.requant else None
     with Writeback() as writeback, runner or nullcontext(), ThreadPoolExecutor(COPY_THREADS) as pool:
         producers = {name: runner.producer(name) for name in plan.rewritten} if runner else {}
         replicated = _ReplicatedWriter(directory, plan, producers, copy_mode, tracker, writeback)

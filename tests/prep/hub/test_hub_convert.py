@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 from support.fake_hub import FakeHub, cut_short, flipped_byte
+from support.fp8_fixture import quantize_checkpoint_fp8
 
 from shardprep.errors import HubError
 from shardprep.manifests.manifest import MANIFEST_NAME, load_manifest, rank_file_name
 from shardprep.prep.convert import convert
 from shardprep.prep.hub import stream
+from shardprep.prep.requant_jobs import RequantOptions
 
 REPO = "tiny-org/tiny-llama"
 ENV_DROPPED = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HF_ENDPOINT", "SHARDPREP_DEBUG")
@@ -259,3 +262,90 @@ def test_keep_source_downloads_the_snapshot_into_the_cache(src, local_out, tmp_p
     assert_same_output(tmp_path / "out", local_out)
     snapshots = list((tmp_path / "cache").glob("models--tiny-org--tiny-llama/snapshots/*"))
     assert len(snapshots) == 1 and {p.name for p in snapshots[0].iterdir()} >= set(shard_sizes(src))
+
+
+@pytest.fixture(scope="module")
+def fp8_src(checkpoint_cache, tmp_path_factory):
+    """A block-FP8 DeepSeek-V3 as DeepSeek publishes one (amax / 448 scales, each beside its weight), in many files."""
+    return quantize_checkpoint_fp8(checkpoint_cache("deepseek-v3", sharded=True, hidden=160),
+                                   tmp_path_factory.mktemp("fp8") / "ds-fp8")
+
+
+# Two worker threads: the requant runs ahead of the writer, so a job started on a file still to come (or dropped)
+# would fail the conversion.
+AHEAD = RequantOptions(workers=2)
+
+
+def test_a_block_fp8_checkpoint_is_requantized_a_file_at_a_time_as_a_local_convert_does(fp8_src, tmp_path,
+                                                                                       monkeypatch):
+    local = tmp_path / "local"
+    convert(fp8_src, local, 2, preset="deepseek-v3", requant=AHEAD)
+    sizes = shard_sizes(fp8_src)
+    peaks = []
+    real_fetch = stream.HubSource.fetch
+
+    def measured_fetch(self, name):
+        size = real_fetch(self, name)
+        peaks.append(disk_usage(self.fetch_dir, beside_the_output=True))
+        return size
+
+    monkeypatch.setattr(stream.HubSource, "fetch", measured_fetch)
+    with FakeHub({REPO: fp8_src}) as hub:
+        hub.serve_this_process(monkeypatch)
+        summary = convert(REPO, tmp_path / "out", 2, preset="deepseek-v3", requant=AHEAD)
+        fetched = {name: hub.fetched(name) for name in sizes}
+    assert summary.requantized_weights > 10 and summary.quantization["scale_format"] == "f32"
+    assert_same_output(tmp_path / "out", local)
+    assert fetched == {name: 1 for name in sizes}
+    assert len(sizes) >= 6 and sum(sizes.values()) > 2 * max(peaks), (sizes, peaks)
+    print(f"{summary.requantized_weights} weights requantized; source {sum(sizes.values())} B in {len(sizes)} "
+          f"files, peak on disk {max(peaks)} B")
+
+
+def test_a_requantizing_conversion_cut_in_the_middle_resumes_to_the_same_output(fp8_src, tmp_path, monkeypatch):
+    local = tmp_path / "local"
+    convert(fp8_src, local, 2, preset="deepseek-v3", requant=AHEAD)
+    names = sorted(shard_sizes(fp8_src))
+    weight_map = json.loads((fp8_src / "model.safetensors.index.json").read_text())["weight_map"]
+    last = max(int(n.split(".")[2]) for n in weight_map if n.startswith("model.layers."))
+    cut = weight_map[f"model.layers.{last}.self_attn.o_proj.weight"]  # read by the last layer: earlier ones recorded
+    out = tmp_path / "out"
+    with FakeHub({REPO: fp8_src}) as hub:
+        hub.serve_this_process(monkeypatch)
+        hub.misbehave(cut, cut_short(downloads_only=True))
+        with pytest.raises(HubError, match=f"{cut}: .* cut the answer short"):
+            convert(REPO, out, 2, preset="deepseek-v3", requant=AHEAD)
+    recorded = json.loads((stream.fetch_dir_for(out) / "progress.json").read_text())
+    assert recorded["layers"] and recorded["files"], recorded.keys()  # the resumed run skips both kinds of work
+    with FakeHub({REPO: fp8_src}) as hub:
+        hub.serve_this_process(monkeypatch)
+        convert(REPO, out, 2, preset="deepseek-v3", requant=AHEAD)
+        again = sum(hub.fetched(name) for name in names)
+    assert 0 < again < len(names)
+    assert_same_output(out, local)
+
+
+def test_a_weight_whose_scale_is_in_another_file_is_refused_in_one_line(fp8_src, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    split = tmp_path / "split"
+    shutil.copytree(fp8_src, split)
+    index_path = split / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    scale = next(n for n in sorted(index["weight_map"]) if n.endswith("mlp.experts.0.down_proj.weight_scale_inv"))
+    home = index["weight_map"][scale]
+    other = next(f for f in sorted(set(index["weight_map"].values())) if f != home)
+    tensors = load_file(split / home)
+    moved = tensors.pop(scale)
+    save_file(tensors, split / home, metadata={"format": "pt"})
+    save_file({**load_file(split / other), scale: moved}, split / other, metadata={"format": "pt"})
+    index["weight_map"][scale] = other
+    index_path.write_text(json.dumps(index))
+    with FakeHub({REPO: split}) as hub:
+        proc = run_cli(["convert", REPO, tmp_path / "out", "--ranks", "2", "--preset", "deepseek-v3"], tmp_path,
+                       hub.endpoint)
+        downloads = hub.fetched("*.safetensors")
+    line = one_line(proc)
+    weight = scale.removesuffix("_scale_inv")
+    assert f"{weight!r} is in {home} and its scale in {other}" in line and "--keep-source" in line, line
+    assert downloads == 0 and not (tmp_path / "out").exists()
