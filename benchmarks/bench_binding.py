@@ -3,7 +3,7 @@
     python3 benchmarks/bench_binding.py --device cuda --out binding.json          # one GPU, about a minute
     python3 benchmarks/bench_binding.py --device cpu --hidden 256 --layers 4      # CPU + gloo, seconds
 
-One process, one rank: a Llama written by transformers (`tests/checkpoints.py`, random weights) converted for
+One process, one rank: a Llama written by transformers (`tests/support/checkpoints.py`, random weights) converted for
 one rank with the `llama` preset (every layer from 1 sharded), so a gather moves no byte between ranks (with
 zero copy, none at all): what remains is the binding's per-layer path, the two ops `shardprep::layer_begin`
 and `shardprep::layer_end` and the gatherer's bookkeeping behind them. Measured side by side, in one run, on
@@ -83,8 +83,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     import transformers
-    from checkpoints import make_checkpoint
-    from spawn_group import free_port
+    from support.checkpoints import make_checkpoint
+    from support.spawn_group import free_port
 
     from shardprep.prep.convert import convert
     from shardprep.standalone.hf_model import build_model

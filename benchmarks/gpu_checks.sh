@@ -2,13 +2,13 @@
 # Every GPU check in one call on a 2-GPU machine (the device tool's nvidia-h200-x2), logs under $OUT.
 #   bash benchmarks/gpu_checks.sh checks   # every test marked gpu (requant/convert CPU==CUDA, runtime, run on cuda)
 #   bash benchmarks/gpu_checks.sh bench    # bench_gather.py and bench_load.py
-#   bash benchmarks/gpu_checks.sh plan     # bench_plan.py, then tests/test_gpu_plan.py (profile + plan via the CLI)
+#   bash benchmarks/gpu_checks.sh plan     # bench_plan.py, then tests/standalone/test_gpu_plan.py (profile + plan via the CLI)
 #   bash benchmarks/gpu_checks.sh all     # one GPU, one call (< 10 min): every gpu test one GPU can run, each with a
 #                                         # timeout that fails it, then bench_draft_prefetch.py (3 invocations); a summary
 #   bash benchmarks/gpu_checks.sh one-gpu        # every gpu test one GPU can run (the others skip)
 #   bash benchmarks/gpu_checks.sh one-gpu-bench  # bench_binding.py and bench_load.py --steps at one rank, 3 times each
 #   bash benchmarks/gpu_checks.sh draft-prefetch  # one GPU: every gpu test, then bench_draft_prefetch.py (3 invocations)
-#   bash benchmarks/gpu_checks.sh fp8     # one GPU: tests/test_gpu_fp8.py, bench_fp8_gemm.py 3 times, bench_fp8_kernels.py
+#   bash benchmarks/gpu_checks.sh fp8     # one GPU: tests/standalone/test_gpu_fp8.py, bench_fp8_gemm.py 3 times, bench_fp8_kernels.py
 #   EAGER=1 bash benchmarks/gpu_checks.sh fp8-profile  # one GPU: profile + plan of a bf16 and a block-FP8 Llama
 #                                                      # (EAGER=1: also profile --eager)
 # Wheels the GPU image lacks (jsonschema and its dependencies) may be carried in .whl/.
@@ -35,7 +35,7 @@ zero-copy)  # env: SCENARIOS, TEST_K (a pytest -k expression), TEST_TIMEOUT, BEN
   } >"$OUT/zc_check.log" 2>&1
   SHARDPREP_GPU_SCENARIOS=${SCENARIOS:-memory,zero-copy,backends} SHARDPREP_TEST_RESULTS_DIR=/tmp/results \
     timeout "${TEST_TIMEOUT:-220}" python3 -m pytest -q -rA -p no:cacheprovider -m gpu ${K[@]+"${K[@]}"} \
-    tests/test_gpu_runtime.py >"$OUT/gpu_tests.log" 2>&1
+    tests/runtime/test_gpu_runtime.py >"$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?" >>"$OUT/gpu_tests.log"
   tar -C /tmp -cf "$OUT/gpu_test_results.tar" results 2>/dev/null
   timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_gather.py --backends ce,nccl --no-fsdp --no-graphs --no-cta2 \
@@ -49,12 +49,12 @@ plan)
   # plan test on a converted llama through the CLI.
   timeout 330 python3 benchmarks/bench_plan.py --out "$OUT/bench_plan.json" >"$OUT/bench_plan.log" 2>&1
   echo "bench_plan rc=$?" >>"$OUT/bench_plan.log"
-  timeout 240 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_plan.py >"$OUT/gpu_plan.log" 2>&1
+  timeout 240 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/standalone/test_gpu_plan.py >"$OUT/gpu_plan.log" 2>&1
   echo "gpu plan test rc=$?" >>"$OUT/gpu_plan.log"
   tail -n 30 "$OUT/bench_plan.log"; tail -n 12 "$OUT/gpu_plan.log"
   ;;
 retest)
-  timeout 200 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_runtime.py >"$OUT/gpu_tests.log" 2>&1
+  timeout 200 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/runtime/test_gpu_runtime.py >"$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?" >>"$OUT/gpu_tests.log"
   timeout 360 python3 benchmarks/bench_gather.py --no-cta2 --out "$OUT/bench_gather.json" >"$OUT/bench_gather.log" 2>&1
   echo "bench_gather rc=$?" >>"$OUT/bench_gather.log"
@@ -128,7 +128,7 @@ fp8)
   { nvidia-smi -L
     python3 -c "import sys,torch,transformers,triton;print(sys.version,torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"
   } >"$OUT/checks.log" 2>&1
-  timeout 300 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_fp8.py >"$OUT/gpu_fp8_tests.log" 2>&1
+  timeout 300 python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/standalone/test_gpu_fp8.py >"$OUT/gpu_fp8_tests.log" 2>&1
   echo "gpu fp8 tests rc=$?" >>"$OUT/gpu_fp8_tests.log"
   for i in 1 2 3; do
     timeout 100 python3 benchmarks/bench_fp8_gemm.py >>"$OUT/bench_fp8_gemm.log" 2>&1  # its JSON lines are in the log
@@ -146,7 +146,7 @@ fp8-profile)
   python3 - "$W" <<'PY' >"$OUT/fp8_profile.log" 2>&1
 import sys, torch, transformers as tf
 sys.path.insert(0, "tests")
-from fp8_fixture import quantize_checkpoint_fp8
+from support.fp8_fixture import quantize_checkpoint_fp8
 w = sys.argv[1]
 cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)

@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from checkpoints import make_checkpoint  # noqa: E402
+from support.checkpoints import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +101,7 @@ def world_of_one():
     import gc
 
     import torch.distributed as dist
-    from spawn_group import free_port
+    from support.spawn_group import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield

@@ -98,7 +98,7 @@ def run_command(
     if worker:
         # A worker whose job is done leaves without interpreter teardown: destroying torch's gloo process
         # group objects during it raced with their C++ threads ("terminate called without an active
-        # exception", abort, about one run in six of tests/test_run.py), failing a run that had finished.
+        # exception", abort, about one run in six of tests/standalone/test_run.py), failing a run that had finished.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

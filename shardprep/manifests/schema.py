@@ -124,7 +124,7 @@ class _ItemRules:
     """The schema's rules for the items that repeat, in code: each check accepts only what every readable
     version's schema accepts (its limits are read from schema.json; `closed`: version 1 forbids other keys).
 
-    tests/test_schema_fast_path.py holds them against jsonschema itself.
+    tests/manifests/test_schema_fast_path.py holds them against jsonschema itself.
     """
 
     dtypes: frozenset[str]

@@ -3,7 +3,7 @@
  * Within a 128x128 block every code goes through the same function, so for each block this finds the
  * largest code, computes the block's new power-of-two scale and its table of new codes from the recipe's
  * float32 operations (the same operations, in the same order, as the numpy version in lookup.py and the
- * torch recipe in ue8m0.py; tests/test_requant_lookup.py compares all three), and sends every code
+ * torch recipe in ue8m0.py; tests/requant/test_requant_lookup.py compares all three), and sends every code
  * through that table. It releases the GIL, so one thread per core runs in parallel. Without this module
  * (no C compiler when the package was built) lookup.py computes the same bytes in numpy, more slowly.
  *

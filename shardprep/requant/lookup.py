@@ -9,7 +9,7 @@ are IEEE round-to-nearest-even in numpy as in torch; the bfloat16 and fp8 roundi
 round to nearest even, as torch's casts do. The same recipe, compiled (`_block_requant.c`, built with
 the package; it releases the GIL), does the whole matrix in one call where it was built; without it,
 numpy and `bytes.translate` give the same bytes.
-`tests/test_requant.py` checks the bytes against the elementwise torch path and two references.
+`tests/requant/test_requant.py` checks the bytes against the elementwise torch path and two references.
 
 Blocks holding a NaN code, or with a non-finite scale or amax, are not handled here (None is returned):
 the torch path reports them or applies `allow_nonfinite`.

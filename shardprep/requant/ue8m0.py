@@ -220,7 +220,7 @@ def _quantize_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Ten
     amax = blocks.abs().to(torch.float32).amax(dim=(1, 3)).clamp(min=AMAX_FLOOR)
     # A tensor divisor, not a Python scalar: CUDA turns division by a scalar into multiplication by its
     # float32 reciprocal, which can differ from CPU's division in the last bit. The exponent would agree
-    # either way (tests/test_requant.py checks every float32 of an octave); this way nothing rests on it.
+    # either way (tests/requant/test_requant.py checks every float32 of an octave); this way nothing rests on it.
     quotient = amax / torch.full_like(amax, FP8_MAX)
     # Bits, not torch.log2: log2 rounds values a few ulps above a power of two down to the exact integer,
     # and how it rounds is up to each device's math library (docs/requant.md, "log2 or exponent bits").

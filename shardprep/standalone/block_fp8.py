@@ -105,7 +105,7 @@ def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
     Needs SM90+, 128×128 blocks, N a multiple of 128 and K of 512 (whole 128-blocks, a multiple of 4 of them):
     the GEMM reads the weight scales transposed, K/128 floats apart, and with a stride that is not a multiple
     of 16 bytes cuBLAS's kernel (torch 2.11, H200) gave results that changed with where the scales were
-    allocated (tests/test_gpu_fp8.py). DeepSeek-V3's and Kimi-K2's projections all have such K.
+    allocated (tests/standalone/test_gpu_fp8.py). DeepSeek-V3's and Kimi-K2's projections all have such K.
 
     >>> uses_scaled_mm(torch.zeros(1, 512), torch.zeros(128, 512, dtype=torch.float8_e4m3fn), (128, 128))
     False
@@ -120,7 +120,7 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     """`x @ W.T + bias` for the block-FP8 weight W = (`weight` codes, `scale_inv` per block), in x's dtype.
 
     On the GEMM path the activations are quantized by one Triton kernel, the same one eagerly and inside a
-    CUDA graph capture, so eager forwards and graph replays give the same bits (tests/test_gpu_fp8.py); its
+    CUDA graph capture, so eager forwards and graph replays give the same bits (tests/standalone/test_gpu_fp8.py); its
     codes and scales are those of `quantize_activations` on CUDA, bit for bit (tested too).
 
     >>> w = torch.full((4, 8), 1.0).to(torch.float8_e4m3fn)

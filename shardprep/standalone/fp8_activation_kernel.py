@@ -9,7 +9,7 @@ the outer-dim-major layout the GEMM takes (`scale[m, g]` at `g * M + m`), so not
 
 It computes what `quantize_activations` does on CUDA, bit for bit: the scale is the clamped amax times the
 float32 reciprocal of 448 (torch's CUDA division by a Python scalar multiplies by its reciprocal), each
-code the correctly rounded quotient of the value by its scale, rounded to e4m3 (tests/test_gpu_fp8.py).
+code the correctly rounded quotient of the value by its scale, rounded to e4m3 (tests/standalone/test_gpu_fp8.py).
 Imported only on CUDA, where Triton comes with torch.
 """
 

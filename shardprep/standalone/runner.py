@@ -36,7 +36,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 DEFAULT_PROMPT = "hello world"
 DEVICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", "ce", "nccl", "nccl-symm", "gloo")
-"""`make_backend`'s names plus auto (tests/test_run.py checks they match runtime.backends.BACKENDS)."""
+"""`make_backend`'s names plus auto (tests/standalone/test_run.py checks they match runtime.backends.BACKENDS)."""
 CUDA_BACKENDS = ("ce", "nccl", "nccl-symm")
 
 

@@ -34,8 +34,8 @@ def main(in_path: str, out_path: str) -> None:
     load_plugins()  # as launch_server does first: shardprep's plugin adds its load format to the choices
     from sglang.srt.server_args import ServerArgs, prepare_server_args
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: recipes.py
-    from recipes import configure_each
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: support.recipes
+    from support.recipes import configure_each
 
     configure_each(in_path, out_path, lambda job: deployment(prepare_server_args(job["launch"]) if "launch" in job
                                                              else ServerArgs(**job["engine"])))

@@ -90,7 +90,7 @@ def plugin_environment(workdir: Path, plugins: dict[str, str], env: dict[str, st
     """The environment of a process that runs SGLang with the test `plugins` ({name: "module:function"}) declared as
     `sglang.srt.plugins` entry points of a directory under `workdir`, that directory, this one and stand_ins/ on
     PYTHONPATH, and `env` on top of this process's."""
-    from engine_harness import declare_plugin
+    from support.engine_harness import declare_plugin
 
     directory = workdir / "plugins"
     for name, entry in plugins.items():
@@ -104,7 +104,7 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
     """Run `plan` in a fresh process; (results, everything it and SGLang's processes printed)."""
     plan_path, results_path, log_path = workdir / "plan.json", workdir / "results.json", workdir / "engines.log"
     plan_path.write_text(json.dumps(plan))
-    from engine_harness import record_engine_times
+    from support.engine_harness import record_engine_times
 
     env = plugin_environment(workdir, PLUGINS, ENV)
     with open(log_path, "w") as log:  # a file, not a pipe: a run that hangs can be read while it hangs

@@ -19,7 +19,6 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from fla_kda_reference import TOL, H, K, fla_kda, load_fla_kda, raw_inputs  # noqa: E402
 from k3_ops import (  # noqa: E402
     causal_conv1d_fn,
     causal_conv1d_update,
@@ -28,11 +27,12 @@ from k3_ops import (  # noqa: E402
     mix_fused,
     rms_norm_gated_forward,
 )
+from support.fla_kda_reference import TOL, H, K, fla_kda, load_fla_kda, raw_inputs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def fla():
-    """fla's naive KDA and its two torch gates (tests/fla_kda_reference.py)."""
+    """fla's naive KDA and its two torch gates (tests/support/fla_kda_reference.py)."""
     return load_fla_kda()
 
 

@@ -37,16 +37,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from engine_harness import run_per_rank
+from support.engine_harness import run_per_rank
 
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.timeout(1800)
 
 import dflash_on_cpu  # noqa: E402
 import gloo_groups  # noqa: E402
-from checkpoints import make_dflash_checkpoint  # noqa: E402
 from sglang_runs import plugin_environment  # noqa: E402
-from spawn_group import free_port  # noqa: E402
+from support.checkpoints import make_dflash_checkpoint  # noqa: E402
+from support.spawn_group import free_port  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.planning.accounting import draft_account  # noqa: E402

@@ -18,7 +18,7 @@ all-reduce, so at TP 2 it is counted twice (`forward_normal` adds it after the a
 that same path, so each comparison is like with like (SGLang's loader against shardprep's, full against
 sharded); none is compared with a reference outside SGLang.
 
-The checkpoint is `deepseek-v3-published-blocks` (tests/checkpoints.py), quantized by the test helper fp8_fixture
+The checkpoint is `deepseek-v3-published-blocks` (tests/support/checkpoints.py), quantized by the helper fp8_fixture
 (DeepSeek's layout: float8_e4m3fn and a float32 `weight_scale_inv` per 128×128 block): q_lora_rank a whole block
 (SGLang concatenates q_a's and kv_a's scales), MLP sizes SGLang does not pad under TP 2 (multiples of 2 × 128), and
 every projection's rows a multiple of 16 and columns of 32, which SGLang's CPU path packs (it leaves others
@@ -37,10 +37,10 @@ import pytest
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.timeout(2400)
 
-from fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 from fp8_kernels import FP8_KERNELS  # noqa: E402
 from fp8_kernels import LINE as FP8_LINE  # noqa: E402
 from sglang_runs import run_engines  # noqa: E402
+from support.fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402

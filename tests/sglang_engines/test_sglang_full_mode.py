@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.timeout(1800)  # engines start in 1-2 minutes each on two shared cores
 
-from damage import flip_byte  # noqa: E402
 from sglang_runs import run_engines  # noqa: E402
+from support.damage import flip_byte  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402

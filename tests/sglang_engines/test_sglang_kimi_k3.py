@@ -35,10 +35,10 @@ import pytest
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.timeout(1800)
 
-from checkpoints import make_kimi_k3_checkpoint  # noqa: E402
 from k3_load_probe import ENV, write_published  # noqa: E402
 from kimi_k3_build import ENV as BUILD  # noqa: E402
 from sglang_runs import run_engines  # noqa: E402
+from support.checkpoints import make_kimi_k3_checkpoint  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402

@@ -4,7 +4,7 @@ mode.
 
 K3's forward runs here with the test plugin k3_ops.py (torch references for the six Triton / compiled ops a CPU
 lacks, each checked in test_k3_ops.py) and kimi_k3_build.py (K3 built on the CPU). The model is K3's text layout
-as SGLang loads one (`KimiK3LinearForCausalLM`, tests/checkpoints.py), with peaked logits: norms 1 + 0.02·N, the
+as SGLang loads one (`KimiK3LinearForCausalLM`, tests/support/checkpoints.py), with peaked logits: norms 1 + 0.02·N, the
 KDA short convolutions 0.5·N, the LM head ×4 and `enable_fp32_lm_head`, without which the tiny model's bf16 logits
 tie and a token would not depend on every weight. That it does is shown here: the same model with one KDA layer's
 o_proj doubled gives another first token than full mode at tp 1 (on the second prompt, SGLang 0.5.23 on this CPU).
@@ -33,11 +33,11 @@ import pytest
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.timeout(3600)
 
-from checkpoints import make_kimi_k3_checkpoint  # noqa: E402
 from k3_ops import ENV as K3_OPS  # noqa: E402
 from k3_ops import LINE  # noqa: E402
 from kimi_k3_build import ENV as BUILD  # noqa: E402
 from sglang_runs import check_nodes_served_their_rank_files, node_directories, run_engines  # noqa: E402
+from support.checkpoints import make_kimi_k3_checkpoint  # noqa: E402
 
 from shardprep.prep.convert import convert  # noqa: E402
 from shardprep.prep.selection import load_preset  # noqa: E402

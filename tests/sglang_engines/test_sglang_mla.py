@@ -11,8 +11,8 @@ binds to it), and after loading absorbs kv_b_proj into `w_kc`/`w_vc` (`post_load
 kv_b_proj, which is loaded whole from the replicated part. The shared expert is replicated under DP attention only
 with `SGLANG_SHARED_EXPERT_TP1=1` (SGLang's switch, which an all-to-all MoE backend such as DeepEP implies): the
 engines run with it, and one runs without it, whose shared expert SGLang splits over TP, which sharded mode refuses
-in one line. The checkpoint is `deepseek-v3-published` (tests/checkpoints.py): the `deepseek-v3` fixture with the
-config keys SGLang reads that transformers leaves out (YaRN rope, MoE keys), experts 64 wide, 8 layers (with fewer
+in one line. The checkpoint is `deepseek-v3-published` (tests/support/checkpoints.py): the `deepseek-v3` fixture with
+the config keys SGLang reads that transformers leaves out (YaRN rope, MoE keys), experts 64 wide, 8 layers (with fewer
 than 5 equal layers a rank's R/N + 2 slots exceed R).
 
 The load is uneven: three requests asking for 8, 2 and 6 tokens over two DP ranks, so one rank runs SGLang's

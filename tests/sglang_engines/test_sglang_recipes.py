@@ -26,7 +26,7 @@ import test_sglang_fp8  # noqa: E402
 import test_sglang_kimi_k3_tokens  # noqa: E402
 import test_sglang_mla  # noqa: E402
 import test_sglang_sharded_mode  # noqa: E402
-from recipes import read_recipes  # noqa: E402
+from support.recipes import read_recipes  # noqa: E402
 
 from shardprep.prep.convert import convert  # noqa: E402
 

@@ -60,7 +60,7 @@ def engines(checkpoint_cache, tmp_path_factory):
     plan = {"runs": [recording_opens("full", run("full", out, load_format="shardprep")),
                      recording_opens("sharded", run("sharded", out, load_format="shardprep", **SHARDED))]}
     # Attention TP above 1 is refused in SGLang's option names by check_layout, tested without an engine
-    # (tests/test_sharded_load.py): an engine to see it refused here cost half a minute of CI.
+    # (tests/integrations/test_sharded_load.py): an engine to see it refused here cost half a minute of CI.
     results, log = run_engines(plan, root)
     return results, log, out
 

@@ -24,7 +24,7 @@ if not VLLM.startswith(("0.33.", "0.34.")):
     pytest.skip(f"vLLM 0.33/0.34's loading checks; this is vLLM {VLLM}", allow_module_level=True)
 pytestmark = pytest.mark.timeout(1800)
 
-from spawn_group import free_port  # noqa: E402
+from support.spawn_group import free_port  # noqa: E402
 
 from shardprep.prep.convert import convert  # noqa: E402
 

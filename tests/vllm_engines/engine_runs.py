@@ -100,7 +100,7 @@ def run_engines(plan: dict, workdir: Path, timeout: float = 1800) -> tuple[dict,
     else:
         returncode = _server().run(plan_path, results_path, log_path, env, timeout)
     output = log_path.read_text()
-    from engine_harness import record_engine_times
+    from support.engine_harness import record_engine_times
 
     record_engine_times(output, workdir)
     assert returncode == 0 and results_path.exists(), output[-6000:]
@@ -311,7 +311,7 @@ def fresh_process_paths(pythonpath: str) -> None:
 
 def declare_vllm_plugin(directory: Path, name: str, entry: str) -> None:
     """Make `directory` (on PYTHONPATH) declare `entry` ("module:function") as a vLLM general plugin."""
-    from engine_harness import declare_plugin
+    from support.engine_harness import declare_plugin
 
     declare_plugin(directory, "vllm.general_plugins", name, entry)
 

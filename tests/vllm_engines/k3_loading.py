@@ -4,8 +4,8 @@ targets' bytes. For K3 as published (`KimiK3ForConditionalGeneration`: vision to
 `language_model.*`, `write_published`), with images and without (`limit_mm_per_prompt={"image": 0}`: vLLM then
 builds no vision tower); the text model alone (`KimiLinearForCausalLM`) is tested by its tokens instead
 (test_vllm_kimi_k3.py, engines with k3_kernels.py's references), and here only for what sharded mode refuses. The
-checkpoint carries K3's MTP layer (tests/checkpoints.py, `kimi-k3-mtp`): served without a draft, sharded mode checks
-it and leaves it unread; then K3 as published is served with its MTP draft (`speculative_config` `mtp`: vLLM's
+checkpoint carries K3's MTP layer (tests/support/checkpoints.py, `kimi-k3-mtp`): served without a draft, sharded mode
+checks it and leaves it unread; then K3 as published is served with its MTP draft (`speculative_config` `mtp`: vLLM's
 KimiK3MTP, built and loaded after the target as vLLM's proposer does, `build_draft`), in full mode and in sharded
 mode (`mtp_draft`).
 

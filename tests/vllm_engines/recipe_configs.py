@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: spawn_group, for k3_loading's port
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: support.spawn_group, for k3_loading's port
 
 
 def deployment(config: Any) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def engine_config(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def k3_config(model: str, dp_size: int) -> dict[str, Any]:
     from k3_loading import engine_config as k3_engine_config
-    from spawn_group import free_port
+    from support.spawn_group import free_port
 
     return deployment(k3_engine_config(model, "shardprep", {"shard_weights": True}, dp_size, 0, free_port()))
 
@@ -72,7 +72,7 @@ def configure(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(in_path: str, out_path: str) -> None:
-    from recipes import configure_each
+    from support.recipes import configure_each
 
     configure_each(in_path, out_path, configure)
 

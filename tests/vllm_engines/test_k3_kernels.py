@@ -17,18 +17,18 @@ import pytest
 pytest.importorskip("vllm")  # the vLLM stage's venv, which .ci/run gives fla-core
 
 import torch  # noqa: E402
-from fla_kda_reference import TOL, H, K, fla_kda, load_fla_kda, raw_inputs  # noqa: E402
 from k3_kernels import (  # noqa: E402
     chunk_kda_with_fused_gate,
     fused_recurrent_kda,
     fused_recurrent_kda_packed_decode,
     gather_initial_states,
 )
+from support.fla_kda_reference import TOL, H, K, fla_kda, load_fla_kda, raw_inputs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def fla():
-    """fla's naive KDA and its two torch gates (tests/fla_kda_reference.py)."""
+    """fla's naive KDA and its two torch gates (tests/support/fla_kda_reference.py)."""
     return load_fla_kda()
 
 

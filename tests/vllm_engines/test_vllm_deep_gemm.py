@@ -24,8 +24,8 @@ pytestmark = pytest.mark.timeout(2400)
 from deep_gemm_sm100 import DEEP_GEMM_SM100, GEMM_LINE  # noqa: E402
 from deep_gemm_sm100 import LINE as PLUGIN_LINE  # noqa: E402
 from engine_runs import check_same_per_rank, own_rank_files, run_engines  # noqa: E402
-from fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
+from support.fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 
 from shardprep.prep.convert import convert  # noqa: E402
 from shardprep.prep.requant_jobs import RequantOptions  # noqa: E402

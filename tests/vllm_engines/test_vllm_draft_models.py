@@ -32,9 +32,9 @@ pytestmark = pytest.mark.timeout(3600)
 
 from draft_probe import ARMED, UNBOUND, digests, record  # noqa: E402
 from engine_runs import check_same_per_rank, own_rank_files, run_engines  # noqa: E402
-from fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 from quant_kernels import QUANT_KERNELS  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
+from support.fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.planning.accounting import draft_account  # noqa: E402
@@ -60,7 +60,7 @@ def plan(checkpoint_cache, tmp_path_factory):
     sources = {"dflash": checkpoint_cache("dflash", layers=2, target_layers=L),
                "eagle3": checkpoint_cache("eagle3", target_layers=L)}
     convert(target, root / "target", 2, preset="qwen3-moe")
-    # The drafts' presets, as convert would choose them from config.json (tests/test_drafts.py checks it does).
+    # The drafts' presets, as convert would choose them from config.json (tests/prep/test_drafts.py checks it does).
     outs = {"dflash": root / "dflash", "eagle3": root / "eagle3"}
     convert(sources["dflash"], outs["dflash"], 2, preset="dflash")
     convert(sources["eagle3"], outs["eagle3"], 2, preset="eagle3")

@@ -34,11 +34,11 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(2400)
 
 from engine_runs import check_same_per_rank, own_rank_files, run_engines  # noqa: E402
-from fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 from moved_weights import ARMED, MOVE_WEIGHTS  # noqa: E402
 from moved_weights import LINE as MOVED_LINE  # noqa: E402
 from quant_kernels import FP8_LINE, QUANT_KERNELS  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
+from support.fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402

@@ -19,8 +19,8 @@ pytest.importorskip("vllm")
 # Engines start slowly on two shared cores (tens of seconds per vLLM import, several imports per engine).
 pytestmark = pytest.mark.timeout(2400)
 
-from damage import flip_byte  # noqa: E402
 from engine_runs import run_engines  # noqa: E402
+from support.damage import flip_byte  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402

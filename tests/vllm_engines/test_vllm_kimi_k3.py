@@ -3,14 +3,14 @@
 By tokens: K3's forward runs on the CPU once its Triton/CUDA-only ops are torch references (k3_kernels.py, a test
 plugin; its KDA checked against fla-core's in test_k3_kernels.py). One DP=2 plan (engine_runs.py), under an uneven
 load (DP rank 0 one short request, rank 1 two longer ones), runs the tiny K3 text model (`KimiLinearForCausalLM`,
-tests/checkpoints.py `kimi-k3-mtp`, its MTP layer served without a draft) three ways: vLLM's own loader on the
+tests/support/checkpoints.py `kimi-k3-mtp`, its MTP layer served without a draft) three ways: vLLM's own loader on the
 source checkpoint, shardprep's full mode, and sharded mode with each rank's directory holding only its own rank
 file. Greedy tokens and the two best log-probabilities of every token are equal bit for bit, vLLM's loader = full
 mode = sharded mode; each rank's startup line gives the resident target bytes `inspect` predicts. Then full and
 sharded mode serve it with K3's MTP draft (`speculative_config` `mtp`, k=1; vLLM's KimiK3MTP, its layer gathered
 after the target's): tokens and log-probabilities equal, and so are the hidden states the MTP layer returned at
 every pass (draft_probe.py: greedy speculative decoding gives the target's tokens whatever the draft proposes);
-each rank's draft line gives `inspect`'s draft bytes. The checkpoint's norms are near 1 (tests/checkpoints.py,
+each rank's draft line gives `inspect`'s draft bytes. The checkpoint's norms are near 1 (tests/support/checkpoints.py,
 `kimi_k3_scale`), so that the tokens depend on KDA's weights.
 
 In block FP8 (the same model quantized by `fp8_fixture`, what stays bf16 and why in FP8_BF16), a second DP=2 plan
@@ -46,19 +46,19 @@ import re
 from pathlib import Path
 
 import pytest
-from engine_harness import run_per_rank
 from safetensors import safe_open
+from support.engine_harness import run_per_rank
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(1800)
 
 from draft_probe import ARMED, digests, record  # noqa: E402
 from engine_runs import ENV, check_same_per_rank, own_rank_files, run_engines  # noqa: E402
-from fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 from k3_kernels import K3_KERNELS, LINE  # noqa: E402
 from quant_kernels import FP8_LINE, QUANT_KERNELS  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
-from spawn_group import free_port  # noqa: E402
+from support.fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
+from support.spawn_group import free_port  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.manifests.draft_layers import DraftLayers  # noqa: E402

@@ -25,11 +25,11 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(2400)
 
 import load_probe  # noqa: E402
-from checkpoints import LLAMA_ALL_LINEAR  # noqa: E402
 from engine_runs import run_engines  # noqa: E402
-from fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 from quant_kernels import QUANT_KERNELS  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
+from support.checkpoints import LLAMA_ALL_LINEAR  # noqa: E402
+from support.fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 
 from shardprep.prep.convert import convert  # noqa: E402
 

@@ -2,7 +2,7 @@
 source checkpoint's tokens, sharded mode at data-parallel size 2 (each rank holding only its own rank file,
 under uneven load) gives the full-mode DP=2 run's, and a target that vLLM post-processes (MLA's kv_b_proj,
 absorbed into W_UK/W_UV after loading) stops the engine with one line naming it. The DeepSeek-V3 checkpoint is
-laid out as DeepSeek publishes it, with an MTP layer after the decoder layers (tests/checkpoints.py,
+laid out as DeepSeek publishes it, with an MTP layer after the decoder layers (tests/support/checkpoints.py,
 make_mtp_checkpoint), served here without a draft: vLLM's loader skips that layer, and sharded mode checks the
 draft's layer in the manifest and never reads it.
 

