@@ -2,7 +2,7 @@
 plus a file or two of the source, what is fetched is checked against the hub's checksums, and the output is the
 one a conversion of the local directory gives.
 
-A local stand-in (tests/fake_hub.py) serves tiny checkpoints written by save_pretrained, sharded into many small
+A local stand-in (tests/support/fake_hub.py) serves tiny checkpoints written by save_pretrained, sharded into many small
 files (`max_shard_size="40KB"`), so that a layer's tensors span files as they do in real checkpoints.
 """
 
