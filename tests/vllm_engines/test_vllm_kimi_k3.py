@@ -16,7 +16,8 @@ each rank's draft line gives `inspect`'s draft bytes. The checkpoint's norms are
 In block FP8 (the same model quantized by `fp8_fixture`, what stays bf16 and why in FP8_BF16), a second DP=2 plan
 with the FP8 reference kernels (quant_kernels.py) and same_kernels.py: vLLM's loader on the FP8 source = full mode
 of the as-is output; full = sharded for the as-is output and for the one requantized to UE8M0, whose FP8 targets
-each rank processes at load; and K3's MTP draft beside the UE8M0 target, full = sharded, draft passes included.
+each rank processes at load; and beside the UE8M0 target K3's MTP draft and a DFlash draft (the design note's
+deployment at DP 2), each full = sharded, draft passes included.
 
 By loading and binding (no engine: bytes compared, where tokens say less), k3_loading.py builds vLLM's K3 in each
 of two data-parallel processes (gloo) and loads it:
@@ -79,6 +80,7 @@ LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 1, "dtype": 
 SHARDPREP = {**LLM, "load_format": "shardprep"}
 SHARDED = {**SHARDPREP, "model_loader_extra_config": {"shard_weights": True}}
 MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}  # K3's own draft, KimiK3MTP
+DFLASH = {"speculative_config": {"method": "dflash", "model": "", "num_speculative_tokens": 3}}  # the note's draft
 PROMPTS = [["hello world"], ["the model shard weights", "gpu layer rank"]]  # uneven: rank 0 idles most steps
 MAX_TOKENS = [3, 6]
 FP8_BF16 = re.compile(r"\.experts\.|shared_experts|res_proj|routed_expert_up_proj|"
@@ -121,7 +123,7 @@ def k3_tokens(k3_out):
 
 
 @pytest.fixture(scope="module")
-def k3_fp8(k3_out):
+def k3_fp8(k3_out, checkpoint_cache):
     """K3 in block FP8 (FP8_BF16 says what stays bf16), converted as is and requantized to UE8M0, in one DP=2 plan:
     vLLM's loader on the FP8 source, and full and sharded mode of each output (each rank its own rank file)."""
     src, _, root = k3_out
@@ -138,15 +140,27 @@ def k3_fp8(k3_out):
     for name, out in outs.items():
         own[name] = own_rank_files(out, root, DP)
         runs += [(f"{name} full", str(out), SHARDPREP), (f"{name} sharded", own[name], SHARDED)]
-    # K3's MTP draft beside the requantized target, its layer gathered after the target's processed ones.
+    # The note's drafts beside the requantized target: K3's MTP layer (gathered after the target's processed
+    # layers), and a DFlash draft converted from its own checkpoint (its rank file joined after the target's). One
+    # DFlash layer: vLLM splits a hybrid model's attention layers into KV-cache groups the size of its smallest
+    # bucket of one kind (here the one MLA layer) and wants every drafting layer in one group ("All drafting layers
+    # should belong to the same kv cache group" with two). With at least as many MLA layers as draft layers the
+    # smallest bucket is the draft's own and it fits one group (vLLM's _get_kv_cache_groups_uniform_page_size).
+    dflash = root / "dflash"
+    convert(checkpoint_cache("dflash", layers=1, target_layers=L), dflash, DP, preset="dflash")
     runs += [("ue8m0 full-mtp", str(outs["ue8m0"]), {**SHARDPREP, **MTP}),
-             ("ue8m0 sharded-mtp", own["ue8m0"], {**SHARDED, **MTP})]
+             ("ue8m0 sharded-mtp", own["ue8m0"], {**SHARDED, **MTP}),
+             ("ue8m0 full-dflash", str(outs["ue8m0"]), {**SHARDPREP, **DFLASH, "speculative_config": {
+                 **DFLASH["speculative_config"], "model": str(dflash)}}),
+             ("ue8m0 sharded-dflash", own["ue8m0"], {**SHARDED, **DFLASH})]
+    drafts = {"ue8m0 sharded-dflash": own_rank_files(dflash, root, DP)}
     work = root / "fp8-engines"
     work.mkdir()
-    probes = {name: work / name.replace(" ", "-") for name in ("ue8m0 full-mtp", "ue8m0 sharded-mtp")}
+    probes = {name: work / name.replace(" ", "-") for name, *_ in runs if "mtp" in name or "dflash" in name}
     plan = {"dp_size": DP, "env": {**K3_ENV, **QUANT_KERNELS, **SAME_KERNELS, **ARMED}, "runs": [
         {"name": name, "model": model, "llm": llm, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-         **({"env": record(probes[name])} if name in probes else {})} for name, model, llm in runs]}
+         **({"env": record(probes[name])} if name in probes else {}),
+         **({"draft_model": drafts[name]} if name in drafts else {})} for name, model, llm in runs]}
     results, output = run_engines(plan, work)
     return results, output, outs, fp8, probes
 
@@ -243,6 +257,16 @@ def test_k3s_mtp_draft_beside_the_block_fp8_target_sharded_gives_full_modes_toke
     assert len(lines) == DP and all(f"layer {L} gathered after the target's layers" in line for line in lines)
 
 
+def test_a_dflash_draft_beside_the_block_fp8_k3_sharded_gives_full_modes_tokens_and_draft_passes(k3_fp8):
+    """The note's deployment in vLLM at DP 2: K3 in block FP8 (UE8M0) with a DFlash draft, both sharded."""
+    results, output, *_, probes = k3_fp8
+    check_same_per_rank(results, "ue8m0 full-dflash", "ue8m0 sharded-dflash", PROMPTS, MAX_TOKENS)
+    for rank in range(DP):
+        full = digests(probes["ue8m0 full-dflash"], rank)
+        assert len([d for d in full if d != "dummy"]) >= 2, (rank, full)  # it proposed
+        assert digests(probes["ue8m0 sharded-dflash"], rank) == full, rank
+
+
 def test_each_block_fp8_k3_rank_says_it_processed_its_fp8_targets_at_load(k3_fp8):
     """The served layers' targets with a scale in the FP8 source: here KDA's and MLA's o_proj, MLA's q_b_proj and
     the latent MoE's routed_expert_down_proj."""
@@ -253,7 +277,7 @@ def test_each_block_fp8_k3_rank_says_it_processed_its_fp8_targets_at_load(k3_fp8
         modules = {e.name for r in load_manifest(out).target_records for e in r.entries if e.name in scaled}
         assert len(modules) > 3, (name, modules)
         lines = [line for line in output.splitlines() if re.search(rf"serves \S*{out.name}-dp\d sharded:", line)]
-        assert len(lines) == DP * (2 if name == "ue8m0" else 1), (name, output[-4000:])  # ue8m0's MTP engine too
+        assert len(lines) == DP * (3 if name == "ue8m0" else 1), (name, output[-4000:])  # ue8m0's draft engines too
         assert all(f"processed at load: {len(modules)} quantized modules" in line for line in lines), lines
 
 
