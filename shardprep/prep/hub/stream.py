@@ -379,9 +379,9 @@ class HubFeed:
             files = [self.replicated[n] for n in by_last.get(last, ()) if n not in settled and n in self.replicated]
             return [t.name for f in files for t in f.tensors or ()]
 
-        order = settling(-1)
+        order: list[str] = []
         for index, lay in enumerate(self.plan.layouts):
-            order += settling(index - 1) if index else []
+            order += settling(index - 1)  # before layer 0: the files no layer reads
             order += [e.name for e in lay.entries] if index >= done else []
         return order + settling(len(self.plan.layouts) - 1)
 

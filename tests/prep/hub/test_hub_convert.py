@@ -52,6 +52,21 @@ def disk_usage(directory, *, beside_the_output=False):
     return sum(st.st_blocks * 512 for st in stats if not beside_the_output or st.st_nlink == 1)
 
 
+def measured_peaks(monkeypatch):
+    """The fetch directory's real disk use beside the output, right after each fetch (its peaks), filled as a
+    conversion in this process runs."""
+    peaks = []
+    real_fetch = stream.HubSource.fetch
+
+    def measured_fetch(self, name):
+        size = real_fetch(self, name)
+        peaks.append(disk_usage(self.fetch_dir, beside_the_output=True))
+        return size
+
+    monkeypatch.setattr(stream.HubSource, "fetch", measured_fetch)
+    return peaks
+
+
 def assert_same_output(out, local_out):
     """Every file byte for byte; the manifest apart from where the source came from."""
     ours = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
@@ -73,15 +88,7 @@ def test_convert_from_the_hub_holds_a_layer_of_source_on_disk_and_matches_a_loca
         src, local_out, tmp_path, monkeypatch):
     sizes = shard_sizes(src)
     assert len(sizes) >= 6, sizes  # enough files that holding them all would show
-    peaks = []
-    real_fetch = stream.HubSource.fetch
-
-    def measured_fetch(self, name):  # the fetch directory's real disk use, right after each fetch: its peaks
-        size = real_fetch(self, name)
-        peaks.append(disk_usage(self.fetch_dir, beside_the_output=True))
-        return size
-
-    monkeypatch.setattr(stream.HubSource, "fetch", measured_fetch)
+    peaks = measured_peaks(monkeypatch)
     out = tmp_path / "out"
     with FakeHub({REPO: src}) as hub:
         hub.serve_this_process(monkeypatch)
@@ -276,35 +283,31 @@ def fp8_src(checkpoint_cache, tmp_path_factory):
 AHEAD = RequantOptions(workers=2)
 
 
-def test_a_block_fp8_checkpoint_is_requantized_a_file_at_a_time_as_a_local_convert_does(fp8_src, tmp_path,
-                                                                                       monkeypatch):
-    local = tmp_path / "local"
-    convert(fp8_src, local, 2, preset="deepseek-v3", requant=AHEAD)
+@pytest.fixture(scope="module")
+def fp8_local_out(fp8_src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8-local") / "out"
+    convert(fp8_src, out, 2, preset="deepseek-v3", requant=AHEAD)
+    return out
+
+
+def test_a_block_fp8_checkpoint_is_requantized_a_file_at_a_time_as_a_local_convert_does(
+        fp8_src, fp8_local_out, tmp_path, monkeypatch):
     sizes = shard_sizes(fp8_src)
-    peaks = []
-    real_fetch = stream.HubSource.fetch
-
-    def measured_fetch(self, name):
-        size = real_fetch(self, name)
-        peaks.append(disk_usage(self.fetch_dir, beside_the_output=True))
-        return size
-
-    monkeypatch.setattr(stream.HubSource, "fetch", measured_fetch)
+    peaks = measured_peaks(monkeypatch)
     with FakeHub({REPO: fp8_src}) as hub:
         hub.serve_this_process(monkeypatch)
         summary = convert(REPO, tmp_path / "out", 2, preset="deepseek-v3", requant=AHEAD)
         fetched = {name: hub.fetched(name) for name in sizes}
     assert summary.requantized_weights > 10 and summary.quantization["scale_format"] == "f32"
-    assert_same_output(tmp_path / "out", local)
+    assert_same_output(tmp_path / "out", fp8_local_out)
     assert fetched == {name: 1 for name in sizes}
     assert len(sizes) >= 6 and sum(sizes.values()) > 2 * max(peaks), (sizes, peaks)
     print(f"{summary.requantized_weights} weights requantized; source {sum(sizes.values())} B in {len(sizes)} "
           f"files, peak on disk {max(peaks)} B")
 
 
-def test_a_requantizing_conversion_cut_in_the_middle_resumes_to_the_same_output(fp8_src, tmp_path, monkeypatch):
-    local = tmp_path / "local"
-    convert(fp8_src, local, 2, preset="deepseek-v3", requant=AHEAD)
+def test_a_requantizing_conversion_cut_in_the_middle_resumes_to_the_same_output(fp8_src, fp8_local_out, tmp_path,
+                                                                                monkeypatch):
     names = sorted(shard_sizes(fp8_src))
     weight_map = json.loads((fp8_src / "model.safetensors.index.json").read_text())["weight_map"]
     last = max(int(n.split(".")[2]) for n in weight_map if n.startswith("model.layers."))
@@ -322,7 +325,7 @@ def test_a_requantizing_conversion_cut_in_the_middle_resumes_to_the_same_output(
         convert(REPO, out, 2, preset="deepseek-v3", requant=AHEAD)
         again = sum(hub.fetched(name) for name in names)
     assert 0 < again < len(names)
-    assert_same_output(out, local)
+    assert_same_output(out, fp8_local_out)
 
 
 def test_a_weight_whose_scale_is_in_another_file_is_refused_in_one_line(fp8_src, tmp_path):
