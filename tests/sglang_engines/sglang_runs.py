@@ -16,7 +16,9 @@ PyNccl), torch_native_fill.py (the torch-native backend's `get_cpu_graph_seq_len
 (MLA's absorbed path), and, each inactive unless its variables are set, fixed_cpu_memory.py (the KV pool's free
 memory), opened_files.py (which files each rank opens), fp8_kernels.py (block FP8's CPU path, its kernels in
 torch), kimi_k3_build.py (Kimi K3 built on the CPU), k3_ops.py (K3's forward, its Triton ops in torch) and
-k3_load_probe.py (K3 loaded every way inside the engine's processes); stand_ins/sgl_kernel.py is put on PYTHONPATH
+k3_load_probe.py (K3 loaded every way inside the engine's processes), and shared_imports.py (SGLang's engine
+processes started from a fork server that imported SGLang once, not spawned; `SHARDPREP_TEST_SGLANG_START=spawn`
+spawns them as SGLang does); stand_ins/sgl_kernel.py is put on PYTHONPATH
 as the module `sgl_kernel`. shardprep's own plugin (`--load-format shardprep`) comes from its installed entry
 point, as for any user.
 
@@ -60,6 +62,7 @@ import k3_load_probe
 import k3_ops
 import kimi_k3_build
 import opened_files
+import shared_imports
 import torch_native_fill
 import torch_native_mla
 
@@ -83,7 +86,7 @@ PLUGINS = {gloo_groups.NAME: "gloo_groups:register", torch_native_fill.NAME: "to
            opened_files.NAME: "opened_files:register", torch_native_mla.NAME: "torch_native_mla:register",
            fixed_cpu_memory.NAME: "fixed_cpu_memory:register", kimi_k3_build.NAME: "kimi_k3_build:register",
            k3_load_probe.NAME: "k3_load_probe:register", fp8_kernels.NAME: "fp8_kernels:register",
-           k3_ops.NAME: "k3_ops:register"}
+           k3_ops.NAME: "k3_ops:register", shared_imports.NAME: "shared_imports:register"}
 
 
 def plugin_environment(workdir: Path, plugins: dict[str, str], env: dict[str, str]) -> dict[str, str]:
@@ -180,6 +183,8 @@ def run_plan(plan: dict, workdir: Path) -> dict[str, dict]:
         except Exception as exc:  # recorded: the refusal cases expect one
             traceback.print_exc()
             results[run["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+            if engine is None and "server" not in run:
+                stop_failed_engine()
         finally:
             if engine is not None:
                 engine.shutdown()
@@ -189,6 +194,22 @@ def run_plan(plan: dict, workdir: Path) -> dict[str, dict]:
                 else:
                     os.environ[key] = value
     return results
+
+
+def stop_failed_engine() -> None:
+    """What `Engine.shutdown` does, for an engine that failed to start (there is no engine to shut down): its
+    processes that started are stopped, and its ZMQ contexts closed without waiting for their peers. Left to the
+    garbage collector, such a context's `term()` waited for messages to processes that were gone, inside the next
+    engine's start, forever (seen on 2026-12-07)."""
+    import gc
+
+    import zmq
+    from sglang.srt.entrypoints import engine
+
+    engine.kill_process_tree(os.getpid(), include_parent=False)
+    for context in [o for o in gc.get_objects() if isinstance(o, zmq.Context)]:
+        if not context.closed:
+            context.destroy(linger=0)
 
 
 def logprobs(run: dict, outputs: list[dict]) -> dict[str, list[list[float]]]:
