@@ -287,7 +287,7 @@ def _process_layer(layer: BoundLayer, shards: RankShards, group: Any, owners: li
     shards.read_chunk(layer.index, into=mine)
     gather_in_place(full, mine, shards.rank, shards.world_size, group)
     layer.point(layer_views(record, full))
-    tensors: dict[str, torch.Tensor] = {}
+    held: list[tuple[str, torch.Tensor]] = []
     for module, bound in owners:
         name = names[id(module)]
         if id(module) in quantized:
@@ -297,9 +297,23 @@ def _process_layer(layer: BoundLayer, shards: RankShards, group: Any, owners: li
             attributes = [a for a, p in module._parameters.items() if p is not None]
         else:
             attributes = bound
-        tensors.update((f"{name}.{a}", module._parameters[a]) for a in attributes)  # type: ignore[misc]
+        held.extend((f"{name}.{a}", module._parameters[a]) for a in attributes)  # type: ignore[misc]
+    tensors = _once_each(held)
     _refuse_shared_memory(tensors)
     return tensors
+
+
+def _once_each(held: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each parameter once, under the name of the deepest module that holds it: a module may register another's
+    parameter as its own (SGLang's Kimi K3 keeps f_b_proj's weight as its attention's `_bfa_f_b_w`), and one entry
+    bound to that one object feeds both names."""
+    deepest: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, tensor in held:
+        kept = deepest.get(id(tensor))
+        if kept is None or name.count(".") > kept[0].count("."):
+            deepest[id(tensor)] = (name, tensor)
+    kept_names = {name for name, _ in deepest.values()}
+    return {name: tensor for name, tensor in held if name in kept_names}
 
 
 def gather_in_place(full: torch.Tensor, mine: torch.Tensor, rank: int, n: int, group: Any) -> None:

@@ -206,6 +206,23 @@ def test_strided_processed_tensors_are_gathered_by_their_span_and_keep_their_str
         assert got["in_slot"]
 
 
+def test_a_parameter_a_module_holds_under_a_second_name_is_laid_out_once_and_both_names_follow_it(llama_n1,
+                                                                                                  world_of_one):
+    # SGLang's Kimi K3 keeps f_b_proj's weight as its attention's `_bfa_f_b_w` too (a Parameter assigned to a module
+    # attribute is registered there): one object under two names, not two tensors that share memory.
+    binding = placeholder_bound(llama_n1)
+    for name, module in binding.model.named_modules():
+        if name.endswith("self_attn"):
+            module.q_alias = module.q_proj.weight
+    new = process_layers(binding, None, quantized, negate).binding
+    attention = new.model.model.layers[1].self_attn
+    names = [e.name for e in new.shards.manifest.layer(1).entries]
+    assert "model.layers.1.self_attn.q_proj.weight" in names and not any("q_alias" in n for n in names), names
+    assert attention.q_alias is attention.q_proj.weight
+    view = new.gatherer.views(1)["model.layers.1.self_attn.q_proj.weight"]
+    assert attention.q_proj.weight.data_ptr() == view.data_ptr()
+
+
 class Method:
     """A quant method as vLLM holds one: an object on the module, shared here by two modules."""
 
