@@ -88,9 +88,9 @@ def forward_sigquit(signum: int, frame: object) -> None:
 
 
 def register() -> None:
-    """The plugin's entry point (SGLang's `load_plugins`, in every SGLang process): `install()` in a process that
-    starts an engine's processes (the runner, a `launch_server` node), which multiprocessing did not start (SGLang's
-    own processes did not: their parent is the fork server or a spawning engine)."""
+    """The plugin's entry point (SGLang's `load_plugins`, in every SGLang process): `install()` in a main process,
+    the one that starts an engine's processes (the runner, a `launch_server` node); not in those processes, which
+    multiprocessing started."""
     if multiprocessing.parent_process() is None:
         install()
 

@@ -48,7 +48,7 @@ from k3_ops import LINE  # noqa: E402
 from kimi_k3_build import ENV as BUILD  # noqa: E402
 from sglang_runs import check_nodes_served_their_rank_files, node_directories, run_engines  # noqa: E402
 from support.checkpoints import make_kimi_k3_checkpoint  # noqa: E402
-from support.fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
+from support.fp8_fixture import bf16_modules, quantize_checkpoint_fp8  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
 from shardprep.prep.convert import convert  # noqa: E402
@@ -116,10 +116,10 @@ def fp8_checkpoint(root):
     src = make_kimi_k3_checkpoint(root / "fp8-source", layers=L, sglang_text=True, intermediate_size=256,
                                   moe_intermediate_size=256, lm_head_scale=4.0)
     with safe_open(str(src / "model.safetensors"), "pt") as f:
-        names = [n for n in f.keys() if n.endswith(".weight")]
-    kept = {n.removesuffix(".weight") for n in names if "_proj" in n and FP8_BF16.search(n)}
-    kept |= {n.split(".experts.")[0] + ".experts" for n in names if ".experts." in n}
-    kept |= {n.split("kv_a_proj_with_mqa")[0] + "fused_qkv_a_proj_with_mqa" for n in names if "kv_a_proj" in n}
+        names = list(f.keys())
+    fused = {n.removesuffix("kv_a_proj_with_mqa.weight") + "fused_qkv_a_proj_with_mqa" for n in names
+             if n.endswith("kv_a_proj_with_mqa.weight")}
+    kept = bf16_modules(names, FP8_BF16) | fused
     return quantize_checkpoint_fp8(src, root / "fp8", skip=lambda name: bool(FP8_BF16.search(name)),
                                    ignored_layers=sorted(kept))
 

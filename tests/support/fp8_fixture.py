@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -45,6 +46,18 @@ def quantize_block_fp8(weight: torch.Tensor, block: int = 128) -> tuple[torch.Te
     q = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
     q = q.view(-1, blocks_n * block, blocks_k * block)[:, :n, :k]
     return q.reshape(weight.shape).contiguous(), scale.reshape(*lead, blocks_n, blocks_k)
+
+
+def bf16_modules(names: Iterable[str], kept: re.Pattern[str]) -> set[str]:
+    """The modules a server must be told to leave unquantized (`ignored_layers`) when the weights `kept` matches stay
+    bf16: each such projection, and each expert list (`....experts`, the fused MoE's name), whose experts stay bf16.
+
+    >>> sorted(bf16_modules(["m.layers.1.mlp.experts.0.w1.weight", "m.layers.1.q_proj.weight"], re.compile("q_proj")))
+    ['m.layers.1.mlp.experts', 'm.layers.1.q_proj']
+    """
+    names = list(names)
+    modules = {n.removesuffix(".weight") for n in names if n.endswith(".weight") and "_proj" in n and kept.search(n)}
+    return modules | {n.split(".experts.")[0] + ".experts" for n in names if ".experts." in n}
 
 
 def is_linear_weight(name: str, tensor: torch.Tensor) -> bool:

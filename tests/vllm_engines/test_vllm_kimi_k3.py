@@ -58,7 +58,7 @@ from engine_runs import ENV, check_same_per_rank, own_rank_files, run_engines  #
 from k3_kernels import K3_KERNELS, LINE  # noqa: E402
 from quant_kernels import FP8_LINE, QUANT_KERNELS  # noqa: E402
 from same_kernels import SAME_KERNELS  # noqa: E402
-from support.fp8_fixture import quantize_checkpoint_fp8  # noqa: E402
+from support.fp8_fixture import bf16_modules, quantize_checkpoint_fp8  # noqa: E402
 from support.spawn_group import free_port  # noqa: E402
 
 from shardprep.manifests import load_manifest  # noqa: E402
@@ -136,10 +136,8 @@ def k3_fp8(k3_out, checkpoint_cache):
     src, _, root = k3_out
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         names = list(f.keys())
-    kept = {n.removesuffix(".weight") for n in names if n.endswith(".weight") and "_proj" in n and FP8_BF16.search(n)}
-    kept |= {n.split(".experts.")[0] + ".experts" for n in names if ".experts." in n}  # vLLM's FusedMoE prefix
     fp8 = quantize_checkpoint_fp8(src, root / "fp8", skip=lambda name: bool(FP8_BF16.search(name)),
-                                  ignored_layers=sorted(kept))
+                                  ignored_layers=sorted(bf16_modules(names, FP8_BF16)))
     outs = {"as-is": root / "fp8-as-is", "ue8m0": root / "fp8-ue8m0"}
     convert(fp8, outs["as-is"], DP, preset="kimi-k3", requant=RequantOptions(mode="none"))
     convert(fp8, outs["ue8m0"], DP, preset="kimi-k3")
